@@ -1,0 +1,65 @@
+"""Looking inside the user's batch: where its tensors live, and preparing differentiated inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import SpecError, did_you_mean
+
+
+def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in nested dicts, lists and tuples."""
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for k, v in batch.items():
+            yield from tensors_in(v, f"{path}[{k!r}]")
+    elif isinstance(batch, list | tuple):
+        for i, v in enumerate(batch):
+            yield from tensors_in(v, f"{path}[{i}]")
+
+
+def check_devices(batch: Any, model: torch.nn.Module) -> None:
+    """A batch tensor on another device than the (single-device) model is a clear error."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return  # model-parallel: the step moves data itself
+    (device,) = devices
+    for path, t in tensors_in(batch):
+        if t.device != device and t.dim() > 0:
+            raise SpecError(
+                f"{path} is on {t.device} but the model's parameters are on {device}: move the batch "
+                f"(.to({str(device)!r})) or the model so that both are on one device"
+            )
+
+
+def with_differentiable_inputs(batch: Any, keys: Sequence[str]) -> Any:
+    """A shallow copy of a dict batch whose ``keys`` are fresh leaf clones with ``requires_grad``.
+
+    The user's tensors are never modified; each run gets its own leaves.
+    """
+    if not keys:
+        return batch
+    if not isinstance(batch, Mapping):
+        raise SpecError(
+            f"differentiable_inputs={list(keys)} needs a dict batch, got {type(batch).__name__}: "
+            "set requires_grad_ inside the step instead"
+        )
+    out = dict(batch)
+    for k in keys:
+        if k not in batch:
+            raise SpecError(
+                f"differentiable input {k!r} is not in the batch{did_you_mean(k, map(str, batch))}; "
+                f"keys are: {', '.join(map(str, batch))}"
+            )
+        t = batch[k]
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            raise SpecError(
+                f"differentiable input {k!r} must be a floating-point tensor, got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
+        out[k] = t.detach().clone().requires_grad_(True)
+    return out

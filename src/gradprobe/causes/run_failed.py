@@ -1,0 +1,54 @@
+"""run-failed: a (variant, scenario) run raised or had no gradient path, and no more specific cause
+in the catalogue explains it."""
+
+from __future__ import annotations
+
+from ..flowmap import Finding, FlowMap
+
+CAUSE = "run-failed"
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    findings = []
+    for v in fm.variants:
+        failed = [r for r in fm.runs if r.variant == v.name and r.error is not None]
+        if v.error is not None:
+            findings.append(
+                Finding(
+                    CAUSE,
+                    "error",
+                    f"variant {v.name} failed to {v.error.stage}: {v.error.type}: {v.error.message}",
+                    evidence={"variant": v.name, "stage": v.error.stage, "type": v.error.type},
+                    fix="see the error; other variants were still measured",
+                )
+            )
+            continue
+        if not failed:
+            continue
+        first = failed[0].error
+        assert first is not None
+        scen = ", ".join(r.scenario for r in failed)
+        no_path = all(r.error is not None and r.error.type == "NoGradPath" for r in failed)
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                f"{len(failed)} run(s) of {v.name} failed ({scen}): {first.stage}: {first.type}: {first.message}",
+                evidence={
+                    "variant": v.name,
+                    "scenarios": [r.scenario for r in failed],
+                    "errors": [
+                        {"scenario": r.scenario, "stage": r.error.stage, "type": r.error.type}
+                        for r in failed
+                        if r.error is not None
+                    ],
+                },
+                fix=(
+                    "make the term depend on the parameters through autograd: run the model in train mode when "
+                    "forces use create_graph=self.training, and remove no_grad/detach on the term's path"
+                )
+                if no_path
+                else "see the error message; the other runs were still measured",
+            )
+        )
+    return findings

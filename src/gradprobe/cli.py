@@ -1,0 +1,137 @@
+"""The ``gradprobe`` command.
+
+Exit status: 0 when no finding has severity ``error``; 1 when one does; 2 on a usage or input error
+(bad arguments, a spec file that cannot be loaded, a step that breaks its contract). Info findings,
+such as a deliberately unused head, never fail it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import GradProbeError, SpecError
+from .flowmap import FlowMap
+from .report.terminal import render
+from .spec import ProbeSpec
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variants", default="eager", help="comma-separated variants to compare (default: eager)")
+    p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradprobe",
+        description="Which parameters does each loss term reach, eager and compiled, and why not.",
+        epilog="exit status: 0 no error finding, 1 error findings, 2 usage or input error",
+    )
+    parser.add_argument("--version", action="version", version=f"gradprobe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="probe the built-in reference potential (energy, force, virial)")
+    _common(demo)
+    demo.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    demo.add_argument("--dtype", default="float64", choices=DTYPES, help="precision (default: float64)")
+    demo.add_argument(
+        "--mode",
+        default="terms",
+        choices=("terms", "weights"),
+        help="step contract: per-term dict (terms) or per-term weights (weights)",
+    )
+    demo.add_argument("--no-virial", action="store_true", help="data without virial labels (no virial term)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and weights")
+
+    run = sub.add_parser(
+        "run", help="probe a spec: FILE.py[:FUNCTION], FUNCTION returning a gradprobe.ProbeSpec"
+    )
+    run.add_argument("target", metavar="FILE.py[:FUNCTION]", help="FUNCTION defaults to 'spec'")
+    _common(run)
+    run.add_argument("--device", help="passed to FUNCTION as device= if it takes one")
+    run.add_argument("--dtype", choices=DTYPES, help="passed to FUNCTION as dtype= if it takes one")
+    return parser
+
+
+def load_spec(target: str, **kwargs: Any) -> ProbeSpec:
+    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts."""
+    path_text, _, func_name = target.rpartition(":") if ":" in target else (target, "", "")
+    path = Path(path_text)
+    func_name = func_name or "spec"
+    if not path.is_file():
+        raise SpecError(f"spec file {str(path)!r} not found")
+    module_spec = importlib.util.spec_from_file_location(f"gradprobe_user_{path.stem}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise SpecError(f"cannot import {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(path.resolve().parent))  # so the spec can import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        found = [
+            n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
+        ]
+        raise SpecError(
+            f"{path} has no function {func_name!r}; its functions are: {', '.join(found) or 'none'} "
+            f"(name one with {path}:FUNCTION)"
+        )
+    accepted = inspect.signature(func).parameters
+    result = func(**{k: v for k, v in kwargs.items() if v is not None and k in accepted})
+    if not isinstance(result, ProbeSpec):
+        raise SpecError(
+            f"{path}:{func_name}() returned {type(result).__name__}, expected a gradprobe.ProbeSpec"
+        )
+    return result
+
+
+def _dtype(name: str | None) -> Any:
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+def _report(fm: FlowMap, json_path: str | None) -> int:
+    sys.stdout.write(render(fm))
+    if json_path:
+        fm.to_json(json_path)
+        sys.stdout.write(f"\nflow map written to {json_path}\n")
+    return fm.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from .probe import probe
+
+        if args.command == "demo":
+            from .zoo import reference_spec
+
+            spec = reference_spec(
+                device=args.device,
+                dtype=_dtype(args.dtype),
+                mode=args.mode,
+                with_virial=not args.no_virial,
+                seed=args.seed,
+            )
+        else:
+            spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
+        return _report(probe(spec, variants=args.variants), args.json)
+    except GradProbeError as e:
+        sys.stderr.write(f"gradprobe: error: {e}\n")
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

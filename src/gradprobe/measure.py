@@ -1,0 +1,213 @@
+"""Measuring gradients: the two ways a step's per-scenario gradients are taken.
+
+* ``per_term``: one forward, then one ``autograd.grad`` per term on the retained graph; scenarios with
+  several terms are sums of the per-term gradients. Only for eager execution: a compiled graph must
+  not be differentiated several times (it can error, or with donated buffers give wrong values).
+* ``per_scenario``: one forward and one gradient per scenario, the terms weighted by 0-dim tensors.
+  For weights-mode steps and for every compiled variant.
+
+Both return one ``Measurement`` per scenario; statuses are reduced in batches (``status.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import GradProbeError, StepContractError
+from .flowmap import RunError
+from .scenarios import Scenario
+from .state import reseed
+from .status import reduce_grads
+from .step import Weights, check_terms, check_total, make_weights
+
+Grads = list[torch.Tensor | None]
+
+
+@dataclass
+class Measurement:
+    """One (variant, scenario) result before it becomes flow-map cells. Gradients are not kept."""
+
+    scenario: str
+    statuses: list[str] | None = None
+    norms: list[float | None] | None = None
+    term_values: dict[str, float | None] = field(default_factory=dict)
+    total: float | None = None
+    error: RunError | None = None
+    seconds: float = 0.0
+
+
+def run_error(stage: str, e: BaseException) -> RunError:
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return RunError(stage, type(e).__name__, message[:500])
+
+
+def no_grad_path(what: str) -> RunError:
+    return RunError(
+        "backward",
+        "NoGradPath",
+        f"{what} does not require grad (no grad_fn): no parameter can receive its gradient. Is the model "
+        "in eval mode (create_graph=self.training), or is it computed under no_grad / detach?",
+    )
+
+
+def _host_values(values: dict[str, torch.Tensor]) -> dict[str, float | None]:
+    """Term values on the host with one device-to-host copy."""
+    if not values:
+        return {}
+    flat = torch.stack(
+        [
+            v.detach()
+            .reshape(())
+            .to(torch.float64 if v.dtype == torch.float64 else torch.float32)
+            .to(next(iter(values.values())).device)
+            for v in values.values()
+        ]
+    )
+    return dict(zip(values, flat.cpu().tolist(), strict=True))
+
+
+def per_term(
+    forward: Callable[[], object],
+    params: Sequence[torch.Tensor],
+    declared: Sequence[str] | None,
+    scenarios_for: Callable[[Sequence[str]], Sequence[Scenario]],
+) -> tuple[list[str], Sequence[Scenario], list[Measurement]]:
+    """One forward, one gradient per term, each scenario a sum of its terms' gradients.
+
+    Returns the term names (the declared ones, or those the step returned), the scenarios built from
+    them by ``scenarios_for``, and one measurement per scenario.
+    """
+    start = time.perf_counter()
+    try:
+        out = forward()
+    except GradProbeError:
+        raise
+    except Exception as e:
+        if declared is None:
+            raise StepContractError(
+                f"the step raised {type(e).__name__} before its terms were known: {e}. Declare terms= in "
+                "the spec to have this recorded as a failed run instead"
+            ) from e
+        err = run_error("forward", e)
+        scenarios = scenarios_for(declared)
+        return (
+            list(declared),
+            scenarios,
+            [Measurement(s.name, error=err, seconds=time.perf_counter() - start) for s in scenarios],
+        )
+    terms = check_terms(out, declared)
+    scenarios = scenarios_for(list(terms))
+    values = _host_values(terms)
+    forward_seconds = time.perf_counter() - start
+
+    needed = [t for t in terms if any(t in s.terms for s in scenarios)]
+    multi = [s for s in scenarios if len(s.terms) > 1]
+    acc: dict[str, Grads | None] = {s.name: None for s in multi}
+    acc_error: dict[str, RunError | None] = {s.name: None for s in multi}
+    results: dict[str, Measurement] = {}
+    for k, t in enumerate(needed):
+        t0 = time.perf_counter()
+        grads: Grads | None = None
+        error: RunError | None = None
+        if not terms[t].requires_grad:
+            error = no_grad_path(f"term {t!r}")
+        else:
+            try:
+                grads = list(
+                    torch.autograd.grad(terms[t], params, retain_graph=k < len(needed) - 1, allow_unused=True)
+                )
+            except Exception as e:
+                error = run_error("backward", e)
+        for s in scenarios:
+            if s.terms == (t,):
+                results[s.name] = _reduced(s.name, grads, error, values, t0)
+        for s in multi:
+            if t not in s.terms:
+                continue
+            if error is not None and error.type != "NoGradPath":
+                acc_error[s.name] = acc_error[s.name] or error
+            elif grads is not None:
+                acc[s.name] = _add(acc[s.name], grads)
+        del grads
+    for s in multi:
+        t0 = time.perf_counter()
+        error = acc_error[s.name]
+        if error is None and acc[s.name] is None:
+            error = no_grad_path(f"no term of scenario {s.name!r}")
+        results[s.name] = _reduced(s.name, acc.pop(s.name) if error is None else None, error, values, t0)
+    for m in results.values():
+        m.seconds += forward_seconds / len(scenarios)
+    return list(terms), scenarios, [results[s.name] for s in scenarios]
+
+
+def _add(acc: Grads | None, grads: Grads) -> Grads:
+    """``acc + grads`` where None is "no gradient" (None + g = g); the first term is copied once."""
+    if acc is None:
+        return [None if g is None else g.clone() for g in grads]
+    pairs = [(i, g) for i, g in enumerate(grads) if g is not None]
+    both = [(acc[i], g) for i, g in pairs if acc[i] is not None]
+    if both:
+        torch._foreach_add_([a for a, _ in both], [g for _, g in both])  # type: ignore[misc]
+    for i, g in pairs:
+        if acc[i] is None:
+            acc[i] = g.clone()
+    return acc
+
+
+def _reduced(
+    name: str, grads: Grads | None, error: RunError | None, values: dict[str, float | None], t0: float
+) -> Measurement:
+    m = Measurement(name, term_values=dict(values), error=error)
+    if grads is not None and error is None:
+        m.statuses, m.norms = reduce_grads(grads)
+        finite = [v for v in values.values() if v is not None]
+        m.total = sum(finite) if finite else None
+    m.seconds = time.perf_counter() - t0
+    return m
+
+
+WeightedCall = Callable[[Weights], object]
+
+
+def per_scenario(
+    call: WeightedCall,
+    params: Sequence[torch.Tensor],
+    scenarios: Sequence[Scenario],
+    terms: Sequence[str],
+    seed: int,
+) -> list[Measurement]:
+    """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors."""
+    like = params[0]
+    results = []
+    for s in scenarios:
+        t0 = time.perf_counter()
+        reseed(seed)
+        m = Measurement(s.name)
+        try:
+            out = call(make_weights(terms, s.terms, like))
+        except GradProbeError:
+            raise
+        except Exception as e:
+            m.error = run_error("forward", e)
+        else:
+            total, values = check_total(out, terms)
+            host = _host_values({"__total__": total, **values})
+            m.total = host.pop("__total__")
+            m.term_values = host
+            if not total.requires_grad:
+                m.error = no_grad_path(f"the total loss of scenario {s.name!r}")
+            else:
+                try:
+                    grads = list(torch.autograd.grad(total, params, allow_unused=True))
+                except Exception as e:
+                    m.error = run_error("backward", e)
+                else:
+                    m.statuses, m.norms = reduce_grads(grads)
+                    del grads
+        m.seconds = time.perf_counter() - t0
+        results.append(m)
+    return results

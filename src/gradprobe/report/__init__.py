@@ -1,0 +1,1 @@
+"""Renderers: each reads a FlowMap and writes one format. None of them computes anything new."""

@@ -1,0 +1,70 @@
+"""Gradient status of many parameters at once: batched reductions, one host sync per device.
+
+Statuses are ``none`` (no gradient), ``zero`` (exactly zero), ``nonzero``, ``nan``, ``inf``. The
+status is decided on the largest absolute value (``ord=inf``), which neither underflows nor
+overflows; the recorded norm is the L1 norm accumulated in float32 or wider (an L2 norm of a 1e-30
+float32 gradient reads as zero; 100,000 float16 ones sum to inf in float16).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+NONE, ZERO, NONZERO, NAN, INF = "none", "zero", "nonzero", "nan", "inf"
+STATUSES = (NONE, ZERO, NONZERO, NAN, INF)
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    # Sparse gradients (nn.Embedding(sparse=True)) have no norm kernel; their stored values suffice.
+    return g.coalesce().values() if g.is_sparse else g
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype.is_complex:
+        return torch.float64 if dtype == torch.complex128 else torch.float32
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[float | None]]:
+    """Status and L1 norm of each gradient (``None`` norm where there is no gradient).
+
+    One pass of ``torch._foreach_norm`` per reduction and per (device, dtype) group, and one copy
+    to the host per device: the number of host syncs does not grow with the number of parameters.
+    """
+    statuses: list[str] = [NONE] * len(grads)
+    norms: list[float | None] = [None] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        if g is not None:
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    per_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, dtype), idx in groups.items():
+        tensors = [_dense(grads[i]) for i in idx]  # type: ignore[arg-type]
+        acc = _accumulation_dtype(dtype)
+        l1 = torch.stack(torch._foreach_norm(tensors, 1, dtype=acc))
+        amax = torch.stack(torch._foreach_norm(tensors, math.inf)).to(acc)
+        per_device.setdefault(device, []).append((idx, torch.stack([l1, amax])))
+    for parts in per_device.values():
+        # One device-to-host copy for all groups on this device, in the widest accumulation dtype
+        # among them (a device holding float64 gradients supports float64).
+        wide = max((p.dtype for _, p in parts), key=lambda d: torch.finfo(d).bits)
+        host = torch.cat([p.to(wide) for _, p in parts], dim=1).cpu().tolist()
+        offset = 0
+        for idx, _ in parts:
+            for k, i in enumerate(idx, start=offset):
+                statuses[i] = status_of(host[1][k])
+                norms[i] = host[0][k]
+            offset += len(idx)
+    return statuses, norms
+
+
+def status_of(max_abs: float) -> str:
+    """The status implied by a gradient's largest absolute value."""
+    if math.isnan(max_abs):
+        return NAN
+    if math.isinf(max_abs):
+        return INF
+    return ZERO if max_abs == 0.0 else NONZERO

@@ -1,0 +1,93 @@
+"""The reference potential's probe spec: model factory, synthetic batches, the MLIP training step."""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+
+from ..spec import ProbeSpec
+from .data import make_batch
+from .loss import DEFAULT_PREFACTORS, Prefactors, mlip_loss
+from .potential import ReferencePotential
+
+# Why some parameters legitimately get no gradient from some terms (shown next to the counts).
+REFERENCE_NOTES = {
+    "aux_head": "auxiliary head: used by no loss term, by design",
+    "energy_shift": "constant per-type energy: no force/virial gradient, by construction",
+    "fitting.out.bias": "constant added to every atomic energy: no force/virial gradient, by construction",
+}
+
+
+def terms_step(
+    model: ReferencePotential, batch: dict[str, torch.Tensor], *, prefactors: Prefactors = DEFAULT_PREFACTORS
+) -> dict[str, torch.Tensor]:
+    """Terms mode: predict energy, forces, virial; return the weighted loss terms."""
+    pred = model(batch["coord"], batch["atype"], batch["box"])
+    return mlip_loss(pred, batch, prefactors)
+
+
+def weights_step(
+    model: ReferencePotential,
+    batch: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    *,
+    prefactors: Prefactors = DEFAULT_PREFACTORS,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weights mode: the total loss with per-term weights (and the term values, for the report)."""
+    terms = terms_step(model, batch, prefactors=prefactors)
+    total = torch.stack([weights[name] * value for name, value in terms.items()]).sum()
+    return total, terms
+
+
+def reference_energy(
+    model: ReferencePotential, batch: dict[str, torch.Tensor], coord: torch.Tensor
+) -> torch.Tensor:
+    """Energies as a differentiable function of coordinates (for physics checks)."""
+    return model.energy(coord, batch["atype"], batch["box"])
+
+
+def reference_spec(
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float64,
+    mode: Literal["terms", "weights"] = "terms",
+    with_virial: bool = True,
+    seed: int = 0,
+    nframes: int = 2,
+    natoms: int = 8,
+    prefactors: Prefactors = DEFAULT_PREFACTORS,
+) -> ProbeSpec:
+    """A spec for the reference potential on synthetic periodic frames (terms energy, force, virial)."""
+
+    def factory() -> ReferencePotential:
+        # Deterministic weights without touching the caller's global RNG stream.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = ReferencePotential()
+        return model.to(device=device, dtype=dtype).train()
+
+    batches = [
+        make_batch(nframes, natoms, seed=seed + k, dtype=dtype, device=device, with_virial=with_virial)
+        for k in (0, 1)
+    ]
+    other = make_batch(
+        nframes + 1, natoms + 2, seed=seed + 2, dtype=dtype, device=device, with_virial=with_virial
+    )
+    terms = ["energy", "force", "virial"] if with_virial else ["energy", "force"]
+    step = terms_step if mode == "terms" else weights_step
+    return ProbeSpec(
+        model=factory,
+        step=functools.partial(step, prefactors=prefactors),
+        batch=batches[0],
+        second_batch=batches[1],
+        other_shapes_batch=other,
+        terms=terms,
+        mode=mode,
+        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+        energy_fn=reference_energy,
+        notes=REFERENCE_NOTES,
+        seed=seed,
+        name="reference potential",
+    )

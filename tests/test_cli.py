@@ -1,0 +1,120 @@
+"""The command line: demo, run, --json, exit status 0/1/2."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gradprobe.cli import main
+from gradprobe.flowmap import FlowMap
+
+DEMO_TABLE = """\
+                       eager
+energy only:           12/14
+force only:            10/14
+virial only:           10/14
+all:                   12/14"""
+
+
+def test_demo_prints_the_table_and_exits_0(capsys, tmp_path):
+    path = tmp_path / "f.json"
+    assert main(["demo", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert DEMO_TABLE in out
+    assert "energy_shift (constant per-type energy: no force/virial gradient, by construction)" in out
+    assert "INFO unused-parameter" in out
+    fm = FlowMap.from_json(path)
+    assert fm.count("eager", "force only") == (10, 14)
+    assert fm.device == "cpu" and fm.dtype == "float64"
+
+
+def test_demo_options(capsys):
+    assert main(["demo", "--dtype", "float32", "--mode", "weights", "--no-virial"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu float32" in out and "virial" not in out.split("parameters reached")[1].split("\n\n")[0]
+
+
+SPEC_FILE = """
+import torch
+import gradprobe
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(3, 4)
+        self.head_a = torch.nn.Linear(4, 1)
+        self.head_b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        # BUG under test: the auxiliary head sees a detached body
+        return self.head_a(h), self.head_b(h.detach() if DETACH else h)
+
+
+def step(model, batch):
+    a, b = model(batch)
+    return {"main": a.pow(2).mean(), "aux": b.pow(2).mean()}
+
+
+def spec(dtype=torch.float32):
+    torch.manual_seed(0)
+    return gradprobe.ProbeSpec(model=TwoHeads().to(dtype), step=step, batch=torch.randn(8, 3, dtype=dtype))
+
+
+def broken():
+    def no_path(model, batch):
+        return {"main": model(batch)[0].sum(), "aux": model(batch)[1].sum().detach()}
+    return gradprobe.ProbeSpec(model=TwoHeads(), step=no_path, batch=torch.randn(8, 3))
+
+
+def not_a_spec():
+    return 42
+"""
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    path = tmp_path / "probe_me.py"
+    path.write_text("DETACH = True\n" + textwrap.dedent(SPEC_FILE))
+    return path
+
+
+def test_run_a_user_spec(spec_file, capsys):
+    assert main(["run", str(spec_file), "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert "aux only:              2/6" in out  # the detach keeps aux from the body
+    assert "cpu float64" in out
+
+
+def test_run_exit_1_on_error_findings(spec_file, capsys):
+    assert main(["run", f"{spec_file}:broken"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("gradprobe: PROBLEM: 1 error(s)")
+    assert "ERROR run-failed" in out and "aux only" in out
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("{f}:nope", "has no function 'nope'; its functions are: step, spec, broken, not_a_spec"),
+        ("{f}:not_a_spec", "returned int, expected a gradprobe.ProbeSpec"),
+        ("missing.py", "spec file 'missing.py' not found"),
+    ],
+)
+def test_run_usage_errors_exit_2(spec_file, capsys, target, message):
+    assert main(["run", target.format(f=spec_file)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_console_script_and_module_entry_point():
+    result = subprocess.run(
+        [sys.executable, "-m", "gradprobe", "demo"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert DEMO_TABLE in result.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "gradprobe", "demo", "--dtype", "float8"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2

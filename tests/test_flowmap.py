@@ -1,0 +1,102 @@
+"""The flow map as data: JSON round trip, schema checks, queries."""
+
+import json
+import math
+
+import pytest
+
+import gradprobe
+from gradprobe.flowmap import SCHEMA, Cell, FlowMap, Run, RunError, ScenarioInfo, VariantInfo
+
+
+@pytest.fixture(scope="module")
+def fm():
+    return gradprobe.probe(gradprobe.zoo.reference_spec())
+
+
+def test_json_round_trip_is_equal(fm, tmp_path):
+    path = tmp_path / "f.json"
+    fm.to_json(path)
+    back = FlowMap.from_json(path)
+    assert back == fm
+    assert FlowMap.from_json(fm.to_json()) == fm
+    assert back.reached("eager", "force only") == fm.reached("eager", "force only")
+
+
+def test_json_holds_the_schema_fields(fm):
+    d = json.loads(fm.to_json())
+    for key in ("schema", "torch_version", "device", "dtype", "terms", "scenarios", "variants", "runs",
+                "parameters", "cells", "findings"):  # fmt: skip
+        assert key in d, key
+    assert d["schema"] == SCHEMA == "gradprobe.flowmap/1"
+    assert d["scenarios"][0] == {"name": "energy only", "terms": ["energy"]}
+    assert d["variants"][0]["name"] == "eager" and d["variants"][0]["error"] is None
+    run = d["runs"][0]
+    assert set(run) >= {"variant", "scenario", "term_values", "error"}
+    assert set(run["term_values"]) == {"energy", "force", "virial"}
+    param = d["parameters"][0]
+    assert set(param) >= {"name", "shape", "numel", "requires_grad"}
+    cell = d["cells"][0]
+    assert set(cell) == {"variant", "scenario", "parameter", "status", "norm"}
+    assert len(d["cells"]) == 4 * 14  # one per (variant, scenario, parameter)
+    assert d["findings"][0]["severity"] == "info"
+
+
+def nonfinite_map():
+    return FlowMap(
+        torch_version="x", device="cpu", dtype="float32", mode="terms", terms=("a",),
+        scenarios=(ScenarioInfo("a only", ("a",)),), variants=(VariantInfo("eager"),),
+        runs=(Run("eager", "a only", {"a": math.nan}, math.inf, None),),
+        parameters=(), cells=(Cell("eager", "a only", "w", "nan", math.nan), Cell("eager", "a only", "b", "inf", math.inf)),
+    )  # fmt: skip
+
+
+def test_nonfinite_values_survive_strict_json():
+    fm = nonfinite_map()
+    text = fm.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    back = FlowMap.from_json(text)
+    assert back == fm
+    assert math.isnan(back.cell("eager", "a only", "w").norm)
+    assert back.cell("eager", "a only", "b").norm == math.inf
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1, 2]", "a flow map is a JSON object"),
+        ('{"schema": "gradprobe.flowmap/2"}', "not supported by this gradprobe .*upgrade"),
+        ('{"schema": "something/1"}', "not a gradprobe flow map"),
+        ('{"schema": "gradprobe.flowmap/1", "torch', "not valid JSON"),
+        ('{"schema": "gradprobe.flowmap/1"}', "malformed flow map: KeyError"),
+    ],
+)
+def test_bad_files_get_one_clear_error(text, message):
+    with pytest.raises(gradprobe.FlowMapFormatError, match=message):
+        FlowMap.from_json(text)
+
+
+def test_bad_status_and_missing_file(fm, tmp_path):
+    d = fm.to_dict()
+    d["cells"][0]["status"] = "has grad"
+    with pytest.raises(gradprobe.FlowMapFormatError, match="unknown status 'has grad'"):
+        FlowMap.from_dict(d)
+    with pytest.raises(gradprobe.FlowMapFormatError, match="cannot read flow map"):
+        FlowMap.from_json(tmp_path / "missing.json")
+
+
+def test_queries(fm):
+    assert fm.variant("eager").error is None
+    with pytest.raises(KeyError, match="did you mean 'eager'"):
+        fm.variant("eagre")
+    assert fm.statuses("eager", "force only")["energy_shift"] == "none"
+    assert fm.run("eager", "all").error is None
+    assert fm.errors() == [] and fm.exit_code == 0
+
+
+def test_run_error_round_trips():
+    fm = nonfinite_map()
+    fm = FlowMap(
+        **{**fm.__dict__, "runs": (Run("eager", "a only", {}, None, RunError("backward", "X", "m")),)}
+    )
+    assert FlowMap.from_json(fm.to_json()).runs[0].error == RunError("backward", "X", "m")
