@@ -37,7 +37,7 @@ def test_json_holds_the_schema_fields(fm):
     param = d["parameters"][0]
     assert set(param) >= {"name", "shape", "numel", "requires_grad"}
     cell = d["cells"][0]
-    assert set(cell) == {"variant", "scenario", "parameter", "status", "norm"}
+    assert set(cell) == {"variant", "scenario", "parameter", "status", "norm", "rel_error", "verdict"}
     assert len(d["cells"]) == 4 * 14  # one per (variant, scenario, parameter)
     assert d["findings"][0]["severity"] == "info"
 

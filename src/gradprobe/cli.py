@@ -25,8 +25,18 @@ EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
+VARIANTS_HELP = (
+    "comma-separated variants to compare (default: eager), e.g. eager,make_fx,compile:aot_eager,"
+    "make_fx[detach=alias]+compile:inductor; backends: eager, aot_eager, aot_eager_decomp_partition, inductor; "
+    "knobs in brackets: mode=train|eval, autocast=bf16|fp16, detach=keep|alias, tracing_mode=real|symbolic, "
+    "pre_dispatch=true, fullgraph=true, dynamic=true|false"
+)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="eager", help="comma-separated variants to compare (default: eager)")
+    p.add_argument("--variants", default="eager", help=VARIANTS_HELP)
+    p.add_argument("--reference", help="the variant the others are compared with (default: the first)")
+    p.add_argument("--all", action="store_true", help="show every parameter in the diff, not only what differs")
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
 
 
@@ -102,8 +112,8 @@ def _dtype(name: str | None) -> Any:
     return None if name is None else getattr(torch, name)
 
 
-def _report(fm: FlowMap, json_path: str | None) -> int:
-    sys.stdout.write(render(fm))
+def _report(fm: FlowMap, json_path: str | None, show_all: bool) -> int:
+    sys.stdout.write(render(fm, show_all=show_all))
     if json_path:
         fm.to_json(json_path)
         sys.stdout.write(f"\nflow map written to {json_path}\n")
@@ -127,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
-        return _report(probe(spec, variants=args.variants), args.json)
+        fm = probe(spec, variants=args.variants, reference=args.reference)
+        return _report(fm, args.json, args.all)
     except GradProbeError as e:
         sys.stderr.write(f"gradprobe: error: {e}\n")
         return EXIT_USAGE

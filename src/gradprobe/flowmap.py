@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FlowMapFormatError, did_you_mean
+from .compare import VERDICTS
 from .status import NONZERO, STATUSES
 
 SCHEMA = "gradprobe.flowmap/1"
@@ -55,8 +56,13 @@ class VariantInfo:
     name: str
     knobs: dict[str, Any] = field(default_factory=dict)
     error: RunError | None = None
-    compile_count: int | None = None
+    compile_count: int | None = None  # dynamo cache entries of the compiled code: 1 = compiled once
     seconds: float = 0.0
+    capture: str = "eager"  # eager | make_fx | user
+    backend: str | None = None
+    graphs: int | None = None  # graphs handed to the backend (more than 1: graph breaks or recompiles)
+    graph_breaks: int | None = None
+    second_batch: dict[str, Any] | None = None  # comparison with the reference on a second batch
 
 
 @dataclass(frozen=True)
@@ -73,13 +79,18 @@ class Run:
 
 @dataclass(frozen=True)
 class Cell:
-    """The gradient of one parameter in one run. ``norm`` is the L1 norm (None when status is none)."""
+    """The gradient of one parameter in one run. ``norm`` is the L1 norm (None when status is none).
+
+    ``rel_error`` and ``verdict`` compare it with the reference variant's cell (None in the reference).
+    """
 
     variant: str
     scenario: str
     parameter: str
     status: str
     norm: float | None
+    rel_error: float | None = None
+    verdict: str | None = None  # match | missing | extra | wrong
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,9 @@ class FlowMap:
     findings: tuple[Finding, ...] = ()
     gradprobe_version: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    reference: str = "eager"  # the variant others are compared with
+    rtol: float | None = None  # relative L1 error above which a value counts as wrong
+    warnings: tuple[str, ...] = ()
     schema: str = SCHEMA
 
     # ----- queries -------------------------------------------------------------------------------
@@ -169,6 +183,10 @@ class FlowMap:
         """(reached, trainable) for that run; the pair the summary table shows as ``17/19``."""
         return len(self.reached(variant, scenario)), len(self.trainable)
 
+    def differences(self, variant: str, scenario: str) -> dict[str, Cell]:
+        """Cells of that run whose verdict against the reference is not ``match``."""
+        return {p: c for p, c in self.cells_of(variant, scenario).items() if c.verdict not in (None, "match")}
+
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "error"]
 
@@ -195,6 +213,9 @@ class FlowMap:
             "cells": [asdict(c) for c in self.cells],
             "findings": [asdict(f) for f in self.findings],
             "notes": dict(self.notes),
+            "reference": self.reference,
+            "rtol": self.rtol,
+            "warnings": list(self.warnings),
         }
         return _json_safe(d)
 
@@ -234,6 +255,11 @@ class FlowMap:
                         _error(v.get("error")),
                         v.get("compile_count"),
                         float(v.get("seconds", 0.0)),
+                        str(v.get("capture", "eager")),
+                        v.get("backend"),
+                        v.get("graphs"),
+                        v.get("graph_breaks"),
+                        v.get("second_batch"),
                     )
                     for v in d["variants"]
                 ),
@@ -266,6 +292,8 @@ class FlowMap:
                         c["parameter"],
                         _status(c["status"]),
                         _float(c.get("norm")),
+                        _float(c.get("rel_error")),
+                        _verdict(c.get("verdict")),
                     )
                     for c in d["cells"]
                 ),
@@ -282,6 +310,9 @@ class FlowMap:
                     for f in d.get("findings", [])
                 ),
                 notes=dict(d.get("notes") or {}),
+                reference=str(d.get("reference", "eager")),
+                rtol=_float(d.get("rtol")),
+                warnings=tuple(str(w) for w in d.get("warnings") or ()),
             )
         except FlowMapFormatError:
             raise
@@ -342,6 +373,12 @@ def _status(s: Any) -> str:
     if s not in STATUSES:
         raise FlowMapFormatError(f"unknown status {s!r}; statuses are: {', '.join(STATUSES)}")
     return s
+
+
+def _verdict(v: Any) -> str | None:
+    if v is not None and v not in VERDICTS:
+        raise FlowMapFormatError(f"unknown verdict {v!r}; verdicts are: {', '.join(VERDICTS)}")
+    return v
 
 
 def _severity(s: Any) -> str:

@@ -12,11 +12,12 @@ Both return one ``Measurement`` per scenario; statuses are reduced in batches (`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .compare import relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .scenarios import Scenario
@@ -38,11 +39,26 @@ class Measurement:
     total: float | None = None
     error: RunError | None = None
     seconds: float = 0.0
+    rel_errors: list[float | None] | None = None  # against the reference, when one was given
+    grads: Grads | None = None  # kept only for the reference variant (one copy of the gradients)
 
 
 def run_error(stage: str, e: BaseException) -> RunError:
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """A recorded failure. Dynamo's own exceptions during a run are compile failures."""
+    if stage == "forward" and _is_dynamo_error(e):
+        stage = "compile"
+    text = str(e).strip()
+    message = text.splitlines()[0] if text else type(e).__name__
+    if "double backward" in text and "aot_autograd" in text:
+        message = "torch.compile with aot_autograd does not currently support double backward"
     return RunError(stage, type(e).__name__, message[:500])
+
+
+def _is_dynamo_error(e: BaseException) -> bool:
+    import sys
+
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(e, exc.TorchDynamoException)
 
 
 def no_grad_path(what: str) -> RunError:
@@ -75,6 +91,7 @@ def per_term(
     params: Sequence[torch.Tensor],
     declared: Sequence[str] | None,
     scenarios_for: Callable[[Sequence[str]], Sequence[Scenario]],
+    keep: bool = False,
 ) -> tuple[list[str], Sequence[Scenario], list[Measurement]]:
     """One forward, one gradient per term, each scenario a sum of its terms' gradients.
 
@@ -124,7 +141,7 @@ def per_term(
                 error = run_error("backward", e)
         for s in scenarios:
             if s.terms == (t,):
-                results[s.name] = _reduced(s.name, grads, error, values, t0)
+                results[s.name] = _reduced(s.name, grads, error, values, t0, keep)
         for s in multi:
             if t not in s.terms:
                 continue
@@ -138,7 +155,7 @@ def per_term(
         error = acc_error[s.name]
         if error is None and acc[s.name] is None:
             error = no_grad_path(f"no term of scenario {s.name!r}")
-        results[s.name] = _reduced(s.name, acc.pop(s.name) if error is None else None, error, values, t0)
+        results[s.name] = _reduced(s.name, acc.pop(s.name) if error is None else None, error, values, t0, keep)
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
     return list(terms), scenarios, [results[s.name] for s in scenarios]
@@ -159,11 +176,13 @@ def _add(acc: Grads | None, grads: Grads) -> Grads:
 
 
 def _reduced(
-    name: str, grads: Grads | None, error: RunError | None, values: dict[str, float | None], t0: float
+    name: str, grads: Grads | None, error: RunError | None, values: dict[str, float | None], t0: float, keep: bool
 ) -> Measurement:
     m = Measurement(name, term_values=dict(values), error=error)
     if grads is not None and error is None:
         m.statuses, m.norms = reduce_grads(grads)
+        if keep:
+            m.grads = grads
         finite = [v for v in values.values() if v is not None]
         m.total = sum(finite) if finite else None
     m.seconds = time.perf_counter() - t0
@@ -179,14 +198,24 @@ def per_scenario(
     scenarios: Sequence[Scenario],
     terms: Sequence[str],
     seed: int,
+    *,
+    keep: bool = False,
+    reference: Mapping[str, Measurement] | None = None,
+    executions: Callable[[], int] | None = None,
 ) -> list[Measurement]:
-    """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors."""
+    """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors.
+
+    ``reference``: measurements (with gradients) to compare values with. ``executions``: how many times
+    the variant's compiled graphs have run so far; a run that adds none ran in eager and is recorded as
+    a dynamo fallback rather than measured as if compiled.
+    """
     like = params[0]
     results = []
     for s in scenarios:
         t0 = time.perf_counter()
         reseed(seed)
         m = Measurement(s.name)
+        before = executions() if executions is not None else 0
         try:
             out = call(make_weights(terms, s.terms, like))
         except GradProbeError:
@@ -198,7 +227,14 @@ def per_scenario(
             host = _host_values({"__total__": total, **values})
             m.total = host.pop("__total__")
             m.term_values = host
-            if not total.requires_grad:
+            if executions is not None and executions() == before:
+                m.error = RunError(
+                    "compile",
+                    "DynamoFallback",
+                    "no compiled graph ran: dynamo ran this step in eager (recompile limit reached, or the frame "
+                    "was skipped), so this run would measure eager, not the compiled path",
+                )
+            elif not total.requires_grad:
                 m.error = no_grad_path(f"the total loss of scenario {s.name!r}")
             else:
                 try:
@@ -207,6 +243,11 @@ def per_scenario(
                     m.error = run_error("backward", e)
                 else:
                     m.statuses, m.norms = reduce_grads(grads)
+                    ref = reference.get(s.name) if reference is not None else None
+                    if ref is not None and ref.grads is not None and ref.norms is not None:
+                        m.rel_errors = relative_errors(grads, ref.grads, ref.norms)
+                    if keep:
+                        m.grads = grads
                     del grads
         m.seconds = time.perf_counter() - t0
         results.append(m)

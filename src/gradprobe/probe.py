@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from . import __version__
 from .batch import check_devices, with_differentiable_inputs
+from .build import Built, VariantContext, build
+from .compare import tolerance, verdict
 from .diagnose import diagnose
 from .errors import SpecError
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
@@ -18,6 +20,7 @@ from .measure import Measurement, per_scenario, per_term
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, resolve_model
 from .state import preserved, reseed
+from .step import make_weights
 from .variants import VariantSpec, parse_variants
 
 
@@ -27,13 +30,16 @@ def probe(
     batch: Any = None,
     *,
     variants: str | Sequence[str | VariantSpec] = "eager",
+    reference: str | None = None,
     **spec_fields: Any,
 ) -> FlowMap:
-    """Measure which parameters each loss term reaches, alone and all together.
+    """Measure which parameters each loss term reaches, alone and all together, in each variant.
 
     Call it with a spec, ``probe(spec, variants=...)``, or with the spec's fields,
-    ``probe(model, step, batch, terms=[...])``. Returns the flow map; the model's parameters, ``.grad``,
-    ``requires_grad`` flags, train/eval modes, buffers and RNG state are as they were.
+    ``probe(model, step, batch, terms=[...])``. ``variants`` is a comma-separated spelling such as
+    ``"eager,make_fx,compile:aot_eager"``; every variant's gradients are compared value by value with
+    the ``reference`` variant (default: the first). Returns the flow map; the model's parameters,
+    ``.grad``, ``requires_grad`` flags, train/eval modes, buffers and RNG state are as they were.
 
     >>> import torch
     >>> model = torch.nn.Linear(2, 1)
@@ -50,10 +56,21 @@ def probe(
         spec = model
     else:
         spec = ProbeSpec(model=model, step=step, batch=batch, **spec_fields)
-    return run_probe(spec, parse_variants(variants))
+    return run_probe(spec, parse_variants(variants), reference)
 
 
-def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec]) -> FlowMap:
+@dataclass
+class _Measured:
+    variant: VariantSpec
+    info: VariantInfo
+    results: list[Measurement]
+
+
+def _is_plain_eager(v: VariantSpec) -> bool:
+    return v.capture == "eager" and v.backend is None and not v.knobs
+
+
+def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str | None = None) -> FlowMap:
     model = resolve_model(spec)
     named = list(model.named_parameters())
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -66,66 +83,227 @@ def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec]) -> FlowMap:
     mode = spec.resolved_mode()
     if mode == "weights" and spec.terms is None:
         raise SpecError("a weights-mode step needs terms=[...]: the names of the weights it takes")
+    ref_name = reference or variants[0].name
+    if ref_name not in [v.name for v in variants]:
+        raise SpecError(f"reference variant {ref_name!r} is not among the variants: {[v.name for v in variants]}")
+    # The reference is measured first: the others are compared with its gradients.
+    ordered = sorted(variants, key=lambda v: v.name != ref_name)
+    if spec.terms is None and not (mode == "terms" and _is_plain_eager(ordered[0])):
+        raise SpecError("declare terms=[...] in the spec: the reference variant is not plain eager, so the "
+                        "term names cannot be taken from an eager call")  # fmt: skip
     params = [p for _, p in trainable]
     first = params[0]
+    dtype = str(first.dtype).removeprefix("torch.")
 
     terms: list[str] = list(spec.terms) if spec.terms is not None else []
-    scenarios: Sequence[Scenario] = ()
-    variant_infos: list[VariantInfo] = []
-    measured: list[tuple[str, list[Measurement]]] = []
+    scenarios: Sequence[Scenario] = resolve_scenarios(spec.scenarios, terms) if terms else ()
+    measured: list[_Measured] = []
     with preserved(model), torch.enable_grad():
-        for variant in variants:
+        batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
+        ref_results: dict[str, Measurement] = {}
+        builds: dict[str, Built] = {}
+        for variant in ordered:
+            is_ref = variant.name == ref_name
             start = time.perf_counter()
-            if mode == "terms":
+            breaks_before = _graph_breaks()
+            built: Built | None = None
+            if _is_plain_eager(variant) and mode == "terms":
                 reseed(spec.seed)
-                batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
                 terms, scenarios, results = per_term(
                     lambda b=batch: spec.step(model, b),
                     params,
                     spec.terms,
                     lambda ts: resolve_scenarios(spec.scenarios, ts),
+                    keep=is_ref,
                 )
-            else:
-                scenarios = resolve_scenarios(spec.scenarios, terms)
+                if not is_ref:
+                    results = _compare_per_term(results, ref_results)
+            elif _is_plain_eager(variant):
                 results = per_scenario(
-                    lambda w: spec.step(
-                        model, with_differentiable_inputs(spec.batch, spec.differentiable_inputs), w
-                    ),
-                    params,
-                    scenarios,
-                    terms,
-                    spec.seed,
-                )
-            variant_infos.append(
-                VariantInfo(variant.name, dict(variant.knobs), None, None, time.perf_counter() - start)
+                    lambda w, b=batch: spec.step(model, b, w),
+                    params, scenarios, terms, spec.seed, keep=is_ref, reference=None if is_ref else ref_results,
+                )  # fmt: skip
+            else:
+                ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, first))
+                built = build(variant, ctx)
+                builds[variant.name] = built
+                if built.error is not None:
+                    results = [Measurement(s.name, error=built.error) for s in scenarios]
+                else:
+                    counter = built.counter
+                    results = per_scenario(
+                        lambda w, run=built.run, b=batch: run(b, w),
+                        params, scenarios, terms, spec.seed, keep=is_ref,
+                        reference=None if is_ref else ref_results,
+                        executions=(lambda c=counter: c.executions) if counter is not None else None,
+                    )  # fmt: skip
+            if is_ref:
+                ref_results = {m.scenario: m for m in results}
+            info = VariantInfo(
+                variant.name,
+                dict(variant.knobs),
+                built.error if built is not None else None,
+                built.compile_count() if built is not None else None,
+                time.perf_counter() - start,
+                variant.capture,
+                variant.backend,
+                built.counter.graphs if built is not None and built.counter is not None else None,
+                _graph_breaks() - breaks_before if variant.compiled else None,
             )
-            measured.append((variant.name, results))
+            measured.append(_Measured(variant, info, results))
+        second = _second_batch(spec, model, params, mode, terms, scenarios, measured, builds, ref_name)
+        for m in measured:
+            if m.info.name in second:
+                m.info = replace(m.info, second_batch=second[m.info.name])
+        ref_results.clear()  # drop the kept gradients
+        for m in measured:
+            for r in m.results:
+                r.grads = None
 
+    return _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
+
+
+def _compare_per_term(results: list[Measurement], reference: Mapping[str, Measurement]) -> list[Measurement]:
+    # A second plain-eager variant in terms mode: values compare trivially (same computation).
+    for m in results:
+        ref = reference.get(m.scenario)
+        if ref is not None and m.norms is not None and ref.norms is not None:
+            m.rel_errors = [None if a is None else 0.0 for a in m.norms]
+    return results
+
+
+def _graph_breaks() -> int:
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return sum(utils.counters["graph_break"].values()) if utils is not None else 0
+
+
+def _second_batch(
+    spec: ProbeSpec,
+    model: torch.nn.Module,
+    params: list[torch.Tensor],
+    mode: str,
+    terms: list[str],
+    scenarios: Sequence[Scenario],
+    measured: list[_Measured],
+    builds: dict[str, Built],
+    ref_name: str,
+) -> dict[str, dict[str, Any]]:
+    """Re-measure traced variants on a second batch of the same shapes, against eager on that batch.
+
+    A trace can freeze trace-time tensors (``pre_dispatch=True`` does) and still look exact on the
+    batch it was traced on. One scenario (the one with the most terms) suffices to see it.
+    """
+    traced = [
+        m
+        for m in measured
+        if m.variant.traced and m.info.name in builds and any(r.error is None for r in m.results)
+    ]
+    if spec.second_batch is None or not traced or not scenarios:
+        return {}
+    scenario = max(scenarios, key=lambda s: len(s.terms))
+    batch2 = with_differentiable_inputs(spec.second_batch, spec.differentiable_inputs)
+    first = params[0]
+    if mode == "terms":
+        ctx = VariantContext(model, spec.step, mode, terms, batch2, make_weights(terms, terms, first))
+        weighted = ctx.weighted()
+        ref = per_scenario(lambda w: weighted(model, batch2, w), params, [scenario], terms, spec.seed, keep=True)
+    else:
+        ref = per_scenario(lambda w: spec.step(model, batch2, w), params, [scenario], terms, spec.seed, keep=True)
+    out: dict[str, dict[str, Any]] = {}
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rtol_base = str(first.dtype).removeprefix("torch.")
+    for m in traced:
+        if m.info.name == ref_name:
+            continue
+        run = builds[m.info.name].run
+        assert run is not None
+        (res,) = per_scenario(
+            lambda w, run=run: run(batch2, w), params, [scenario], terms, spec.seed, reference={scenario.name: ref[0]}
+        )
+        entry: dict[str, Any] = {"scenario": scenario.name, "error": None, "max_rel_error": None, "mismatched": []}
+        if res.error is not None or ref[0].error is not None:
+            err = res.error or ref[0].error
+            assert err is not None
+            entry["error"] = f"{err.stage}: {err.type}: {err.message}"
+        elif res.rel_errors is not None:
+            rtol = tolerance(rtol_base, m.variant.knobs.get("autocast", "off"))
+            finite = [e for e in res.rel_errors if e is not None]
+            entry["max_rel_error"] = max(finite) if finite else 0.0
+            entry["mismatched"] = [
+                n
+                for n, e, st, rst in zip(names, res.rel_errors, res.statuses or [], ref[0].statuses or [], strict=False)
+                if verdict(rst, st, e, rtol) != "match"
+            ]
+        out[m.info.name] = entry
+    return out
+
+
+def _stochastic_warnings(model: torch.nn.Module, measured: list[_Measured]) -> list[str]:
+    if len(measured) < 2:
+        return []
+    drop = [
+        n or type(m).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    if not drop:
+        return []
+    return [
+        f"stochastic ops in the step ({', '.join(drop[:4])}): every run is reseeded and inductor uses fallback_random, "
+        "but a compiled path may still draw differently from eager; value differences on the affected "
+        "parameters may be noise. Probe in eval mode for dropout, or set p=0, to compare exactly"
+    ]
+
+
+def _flow_map(
+    spec: ProbeSpec,
+    model: torch.nn.Module,
+    named: list[tuple[str, torch.nn.Parameter]],
+    trainable: list[tuple[str, torch.nn.Parameter]],
+    mode: str,
+    terms: list[str],
+    scenarios: Sequence[Scenario],
+    measured: list[_Measured],
+    ref_name: str,
+    dtype: str,
+) -> FlowMap:
     trainable_names = [n for n, _ in trainable]
+    frozen = [n for n, p in named if not p.requires_grad]
+    ref_status = {
+        (m.scenario): m.statuses for x in measured if x.info.name == ref_name for m in x.results
+    }  # fmt: skip
     runs, cells = [], []
-    for vname, results in measured:
-        for m in results:
-            runs.append(Run(vname, m.scenario, m.term_values, m.total, m.error, m.seconds))
+    for x in measured:
+        rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
+        for m in x.results:
+            runs.append(Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds))
             if m.statuses is None or m.norms is None:
                 continue
-            cells.extend(
-                Cell(vname, m.scenario, n, st, nm)
-                for n, st, nm in zip(trainable_names, m.statuses, m.norms, strict=True)
-            )
+            rel = m.rel_errors or [None] * len(trainable_names)
+            refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
+            for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
+                v = None if refs is None else verdict(refs[i], st, rel[i], rtol)
+                cells.append(Cell(x.info.name, m.scenario, n, st, nm, rel[i] if refs is not None else None, v))
             # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
-            cells.extend(Cell(vname, m.scenario, n, "none", None) for n, p in named if not p.requires_grad)
+            cells.extend(Cell(x.info.name, m.scenario, n, "none", None) for n in frozen)
+    first = trainable[0][1]
     fm = FlowMap(
         torch_version=torch.__version__,
         device=str(first.device),
-        dtype=str(first.dtype).removeprefix("torch."),
+        dtype=dtype,
         mode=mode,
         terms=tuple(terms),
         scenarios=tuple(ScenarioInfo(s.name, s.terms) for s in scenarios),
-        variants=tuple(variant_infos),
+        variants=tuple(x.info for x in measured),
         runs=tuple(runs),
         parameters=parameter_infos(named),
         cells=tuple(cells),
         gradprobe_version=__version__,
         notes=dict(spec.notes),
+        reference=ref_name,
+        rtol=tolerance(dtype),
+        warnings=tuple(_stochastic_warnings(model, measured)),
     )
     return replace(fm, findings=tuple(diagnose(fm)))

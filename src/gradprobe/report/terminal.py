@@ -1,40 +1,154 @@
-"""Plain-text rendering for the terminal: findings with the fix, the summary table, what the counts mean."""
+"""Plain-text rendering for the terminal: verdict and findings with the fix, the comparison table with
+its interpretation, what the counts mean, and the per-parameter diff of what differs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..causes.common import names, note_for
-from ..flowmap import Finding, FlowMap
+from ..causes.flow_mismatch import mismatch_summary
+from ..flowmap import Finding, FlowMap, RunError
 
 LABEL_WIDTH = 23
+PROBLEM = "<-- problem"
+
+
+def error_text(error: RunError) -> str:
+    """A short cell text for a failed run."""
+    if error.type == "NoGradPath":
+        return "no grad path"
+    if error.type == "DynamoFallback":
+        return "error: ran eager (dynamo fallback)"
+    if "double backward" in error.message:
+        return "error: double backward unsupported"
+    return f"error: {error.type}"
+
+
+def _cell_text(fm: FlowMap, variant: str, scenario: str) -> tuple[str, bool]:
+    """(text, differs from the reference)."""
+    run = fm.run(variant, scenario)
+    if run.error is not None:
+        return error_text(run.error), True
+    reached, total = fm.count(variant, scenario)
+    differs = bool(fm.differences(variant, scenario))
+    return f"{reached}/{total}" + (" !" if differs else ""), differs
 
 
 def summary_table(fm: FlowMap, variants: Sequence[str] | None = None) -> str:
-    """One row per scenario, one column per variant: reached/trainable, or the run's error."""
+    """One row per scenario, one column per variant: reached/trainable (``!`` where the cells differ
+    from the reference in reach or value), or the run's error; ``<-- problem`` ends rows with a difference."""
     variants = list(variants or fm.variant_names)
     label_width = max(LABEL_WIDTH, *(len(s) + 2 for s in fm.scenario_names))
     columns = [[_cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
-    widths = [max(len(v), *(len(c) for c in col)) + 3 for v, col in zip(variants, columns, strict=True)]
+    widths = [max(len(v), *(len(c[0]) for c in col)) + 3 for v, col in zip(variants, columns, strict=True)]
     lines = [" " * label_width + "".join(v.ljust(w) for v, w in zip(variants, widths, strict=True)).rstrip()]
     for i, s in enumerate(fm.scenario_names):
         row = f"{s}:".ljust(label_width)
-        row += "".join(col[i].ljust(w) for col, w in zip(columns, widths, strict=True))
-        lines.append(row.rstrip())
+        row += "".join(col[i][0].ljust(w) for col, w in zip(columns, widths, strict=True))
+        problem = len(variants) > 1 and any(col[i][1] for col in columns)
+        lines.append((row.rstrip() + "   " + PROBLEM) if problem else row.rstrip())
     return "\n".join(lines)
 
 
-def _cell_text(fm: FlowMap, variant: str, scenario: str) -> str:
-    run = fm.run(variant, scenario)
-    if run.error is not None:
-        return "no grad path" if run.error.type == "NoGradPath" else f"error: {run.error.type}"
-    reached, total = fm.count(variant, scenario)
-    return f"{reached}/{total}"
+def interpretation_lines(fm: FlowMap) -> list[str]:
+    """What each differing (scenario, variant) pair means, against the reference."""
+    lines = []
+    ref = fm.reference
+    for s in fm.scenario_names:
+        ref_run = fm.run(ref, s)
+        for v in fm.variant_names:
+            if v == ref:
+                continue
+            run = fm.run(v, s)
+            if run.error is not None:
+                if ref_run.error is None:
+                    lines.append(f"{s}, {v}: fails at {run.error.stage}: {run.error.message}")
+                continue
+            if ref_run.error is not None:
+                continue
+            summary = mismatch_summary(fm, v, s)
+            if summary is None:
+                continue
+            lines.append(f"{s}, {v}: {_meaning(fm, v, s, summary)}")
+    return lines
+
+
+def _meaning(fm: FlowMap, v: str, s: str, summary: dict) -> str:
+    count, ref_count = summary["count"], summary["reference_count"]
+    err = summary["max_rel_error"]
+    wrong = summary["wrong"]
+    wrong_text = f"{len(wrong)} of {count} reached have wrong values (rel. error up to {err:.2g})" if wrong else ""
+    if count == 0 and ref_count > 0:
+        head = f"reaches 0/{ref_count} — catastrophic: wrong create_graph (eval mode?) or a backend that drops the term"
+    elif count < ref_count:
+        head = f"reaches {count} vs {ref_count} in {fm.reference} — tracing or compilation breaks some paths"
+    elif count > ref_count:
+        head = f"reaches {count} vs {ref_count} in {fm.reference} — extra gradients the reference does not have"
+    else:
+        head = f"{count} reached, like {fm.reference}, but values differ"
+    parts = [head]
+    if summary["missing"]:
+        parts.append(f"lost: {names(summary['missing'])}")
+    if summary["extra"]:
+        parts.append(f"extra: {names(summary['extra'])}")
+    if wrong_text:
+        parts.append(wrong_text)
+    covered = _covered_by_others(fm, v, s)
+    if covered:
+        parts.append(covered)
+    return "; ".join(parts)
+
+
+def _covered_by_others(fm: FlowMap, v: str, s: str) -> str:
+    """'all' fine but this isolated scenario not: other terms cover the parameters."""
+    for other in fm.scenarios:
+        if other.name != s and len(other.terms) > 1 and s in {f"{t} only" for t in other.terms}:
+            run = fm.run(v, other.name)
+            if run.error is None and not fm.differences(v, other.name):
+                return f"'{other.name}' matches: other terms cover these parameters (may be acceptable)"
+    return ""
+
+
+def diff_lines(fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30) -> list[str]:
+    """Per-parameter diff of one run against the reference: name, statuses, relative error, ``<-- DIFF``."""
+    ref = fm.reference
+    cells = fm.cells_of(variant, scenario)
+    ref_cells = fm.cells_of(ref, scenario)
+    rows = [
+        (p, ref_cells[p].status if p in ref_cells else "-", c.status, c.rel_error, c.verdict)
+        for p, c in cells.items()
+        if p in fm.trainable and (show_all or c.verdict not in (None, "match"))
+    ]
+    if not rows:
+        return []
+    width = max(len("parameter"), *(len(r[0]) for r in rows)) + 2
+    vw = max(len(variant), 8) + 2
+    rw = max(len(ref), 8) + 2
+    out = [f"{scenario}: {ref} vs {variant}", f"  {'parameter'.ljust(width)}{ref.ljust(rw)}{variant.ljust(vw)}rel.err"]
+    for p, rs, st, err, ver in rows[:limit]:
+        mark = f"   <-- DIFF {ver}" if ver not in (None, "match") else ""
+        out.append(f"  {p.ljust(width)}{rs.ljust(rw)}{st.ljust(vw)}{_num(err).ljust(9)}{mark}".rstrip())
+    hidden = len(rows) - limit
+    if hidden > 0:
+        out.append(f"  … and {hidden} more")
+    same = len(cells) - len(rows)
+    if same and not show_all:
+        out.append(f"  ({same} identical parameters omitted, use --all to show)")
+    return out
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.3g}"
 
 
 def meaning_lines(fm: FlowMap, variant: str | None = None) -> list[str]:
     """Per scenario, which parameters the reference variant does not reach, and why when a note says so."""
-    variant = variant or fm.variant_names[0]
+    variant = variant or fm.reference
     lines = []
     for s in fm.scenario_names:
         run = fm.run(variant, s)
@@ -52,6 +166,50 @@ def meaning_lines(fm: FlowMap, variant: str | None = None) -> list[str]:
         parts = [f"{names(ps)} ({note})" if note else names(ps) for note, ps in by_note.items()]
         lines.append(f"{s}: {len(missing)} not reached: " + "; ".join(parts))
     return lines
+
+
+def variant_lines(fm: FlowMap) -> list[str]:
+    """Build facts per compiled or traced variant: compile count, graphs, breaks, time, second batch."""
+    lines = []
+    for v in fm.variants:
+        if v.capture == "eager" and v.backend is None and not v.second_batch:
+            continue
+        facts = [f"{v.seconds:.1f}s"]
+        if v.compile_count is not None:
+            facts.append(f"compiled {v.compile_count}x")
+        if v.graphs is not None:
+            facts.append(f"{v.graphs} graph(s)")
+        if v.graph_breaks:
+            facts.append(f"{v.graph_breaks} graph break(s)")
+        if v.error is not None:
+            facts.append(f"build failed at {v.error.stage}: {v.error.message}")
+        if v.name != fm.reference and v.error is None:
+            facts.append(_agreement(fm, v.name))
+        sb = v.second_batch
+        if sb:
+            if sb.get("error"):
+                facts.append(f"second batch: {sb['error']}")
+            elif sb.get("mismatched"):
+                facts.append(f"second batch: {len(sb['mismatched'])} differ (rel. error up to {sb['max_rel_error']:.2g})")
+            else:
+                facts.append(f"second batch: matches ({sb['scenario']})")
+        lines.append(f"{v.name}: " + ", ".join(facts))
+    return lines
+
+
+def _agreement(fm: FlowMap, variant: str) -> str:
+    """'matches eager on all 56 cells (max rel. error 8.9e-16)', or how many cells differ."""
+    cells = [c for s in fm.scenario_names for c in fm.cells_of(variant, s).values() if c.parameter in fm.trainable]
+    failed = sum(fm.run(variant, s).error is not None for s in fm.scenario_names)
+    differing = sum(c.verdict not in (None, "match") for c in cells)
+    errors = [c.rel_error for c in cells if c.rel_error is not None and not math.isnan(c.rel_error)]
+    worst = f" (max rel. error {max(errors):.2g})" if errors else ""
+    if failed == len(fm.scenario_names):
+        return "every run failed"
+    if differing:
+        return f"{differing} of {len(cells)} cells differ from {fm.reference}" + worst
+    tail = f"; {failed} run(s) failed" if failed else ""
+    return f"matches {fm.reference} on all {len(cells)} cells{worst}{tail}"
 
 
 def finding_lines(finding: Finding) -> list[str]:
@@ -73,7 +231,7 @@ def verdict(fm: FlowMap) -> str:
     return head + (f" ({', '.join(extra)})" if extra and not head.startswith("check") else "")
 
 
-def render(fm: FlowMap) -> str:
+def render(fm: FlowMap, *, show_all: bool = False) -> str:
     """The whole terminal report: verdict and serious findings first, then the table, then details."""
     serious = [f for f in fm.findings if f.severity != "info"]
     info = [f for f in fm.findings if f.severity == "info"]
@@ -82,10 +240,34 @@ def render(fm: FlowMap) -> str:
         out.extend(finding_lines(f))
     if serious:
         out.append("")
-    out.append(f"parameters reached per scenario (non-zero gradient / trainable), {fm.device} {fm.dtype}:")
+    title = "parameters reached per scenario (non-zero gradient / trainable)"
+    if len(fm.variants) > 1:
+        title += f"; '!' = differs from {fm.reference} in reach or value (rtol {fm.rtol:g})"
+    out.append(f"{title}, {fm.device} {fm.dtype}:")
     out.append(summary_table(fm))
+    interp = interpretation_lines(fm)
+    if interp:
+        out.append("")
+        out.extend(interp)
     out.append("")
     out.extend(meaning_lines(fm))
+    facts = variant_lines(fm)
+    if facts:
+        out.append("")
+        out.extend(facts)
+    diffs = [
+        line
+        for v in fm.variant_names
+        if v != fm.reference
+        for s in fm.scenario_names
+        for line in (diff_lines(fm, v, s, show_all=show_all) + [""] if fm.cells_of(v, s) else [])
+        if show_all or fm.differences(v, s)
+    ]
+    if diffs:
+        out.append("")
+        out.extend(diffs[:-1])
+    for w in fm.warnings:
+        out.extend(["", f"WARNING {w}"])
     if info:
         out.append("")
         for f in info:

@@ -1,0 +1,264 @@
+"""Building a variant: the callable ``run(batch, weights)`` that executes the user's step one way.
+
+Every variant computes ``(total, {term: value})`` through the model's own parameters, so gradients
+are taken with respect to the very tensors the user trains. Variants are built once and reused for
+every scenario; weights are 0-dim tensor inputs, so a compiled variant compiles once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from .flowmap import RunError
+from .variants import VariantSpec
+
+Run = Callable[[Any, Mapping[str, torch.Tensor]], Any]
+
+
+@dataclass
+class VariantContext:
+    """What a variant builder gets: the model, the user's step and its contract, an example batch."""
+
+    model: torch.nn.Module
+    step: Callable[..., Any]
+    mode: str  # "terms" | "weights"
+    terms: Sequence[str]
+    batch: Any
+    weights: Mapping[str, torch.Tensor]
+
+    def weighted(self) -> Callable[[torch.nn.Module, Any, Mapping[str, torch.Tensor]], Any]:
+        """A fresh function ``(model, batch, weights) -> (total, {term: value})`` around the user's step.
+
+        Fresh per call (a new code object, and a copy of the step's function): dynamo caches compiled
+        code per code object, so gradprobe's compiles never land in the cache of the user's own step.
+        """
+        return _weighted(fresh_copy(self.step), self.mode, tuple(self.terms))
+
+
+def _weighted(step: Callable[..., Any], mode: str, terms: tuple[str, ...]) -> Callable[..., Any]:
+    if mode == "terms":
+
+        def weighted(model, batch, weights):  # type: ignore[no-untyped-def]
+            values = step(model, batch)
+            total = weights[terms[0]] * values[terms[0]]
+            for t in terms[1:]:
+                total = total + weights[t] * values[t]
+            return total, values
+
+    else:
+
+        def weighted(model, batch, weights):  # type: ignore[no-untyped-def]
+            return step(model, batch, weights)
+
+    return fresh_copy(weighted)
+
+
+def fresh_copy(fn: Any) -> Any:
+    """A copy of a plain function (or a partial of one) with its own code object; others as they are."""
+    if isinstance(fn, functools.partial):
+        return functools.partial(fresh_copy(fn.func), *fn.args, **fn.keywords)
+    if isinstance(fn, types.FunctionType):
+        copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        copy.__qualname__ = fn.__qualname__
+        copy.__dict__.update(fn.__dict__)
+        return copy
+    return fn
+
+
+class CompileCounter:
+    """Wraps a dynamo backend to count the graphs it compiles and how often compiled graphs run.
+
+    A run that executes no compiled graph ran in eager: past dynamo's recompile limit (or for a frame
+    dynamo decided to skip) a "compiled" variant silently measures eager. ``executions`` tells.
+    """
+
+    def __init__(self, backend: str) -> None:
+        from torch._dynamo import lookup_backend
+
+        self.backend_name = backend
+        self._backend = lookup_backend(backend)
+        self.graphs = 0
+        self.executions = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs += 1
+        compiled = self._backend(gm, example_inputs)
+        counter = self
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            counter.executions += 1
+            return compiled(*args, **kwargs)
+
+        # Keep the calling convention the backend declared (boxed: one list argument).
+        if hasattr(compiled, "_boxed_call"):
+            run._boxed_call = compiled._boxed_call  # type: ignore[attr-defined]
+        return run
+
+
+@dataclass
+class Built:
+    """A built variant: its run function, or the error that stopped the build."""
+
+    run: Run | None = None
+    error: RunError | None = None
+    counter: CompileCounter | None = None
+    graph: torch.fx.GraphModule | None = None  # the make_fx graph, for the locator
+    code: types.CodeType | None = None  # the code object torch.compile wrapped (its cache = recompiles)
+    notes: list[str] = field(default_factory=list)
+
+    def compile_count(self) -> int | None:
+        """Dynamo cache entries for the compiled code: 1 when nothing recompiled."""
+        if self.counter is None or self.code is None:
+            return None
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(self.code))
+
+
+@contextlib.contextmanager
+def module_mode(model: torch.nn.Module, mode: str) -> Iterator[None]:
+    """Put every submodule in train or eval mode for the body ("as-is" leaves them); restore after."""
+    if mode == "as-is":
+        yield
+        return
+    saved = [(m, m.training) for m in model.modules()]
+    model.train(mode == "train")
+    try:
+        yield
+    finally:
+        for m, training in saved:
+            m.training = training
+
+
+def _autocast(device: torch.device, knob: str) -> contextlib.AbstractContextManager[Any]:
+    if knob == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if knob == "bf16" else torch.float16)
+
+
+def _compile_context(backend: str | None) -> contextlib.AbstractContextManager[Any]:
+    if backend != "inductor":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    # Same random draws as eager (dropout), so values can be compared.
+    return inductor_config.patch(fallback_random=True)
+
+
+def _no_detach(x: torch.Tensor) -> torch.Tensor:
+    # An alias keeps the autograd history that make_fx's recorded detach nodes would cut (PyTorch #175477).
+    return torch.ops.aten.alias.default(x)
+
+
+NO_DETACH_DECOMPOSITION = {torch.ops.aten.detach.default: _no_detach}
+
+
+def trace_step(ctx: VariantContext, variant: VariantSpec) -> torch.fx.GraphModule:
+    """make_fx over ``(params, buffers, batch, weights) -> (total, values)``, with the variant's knobs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    weighted = ctx.weighted()
+    holder = _StepHolder(ctx.model, weighted)
+
+    def functional(params: dict, buffers: dict, batch: Any, weights: dict) -> Any:
+        return functional_call(holder, {**params, **buffers}, (batch, weights), strict=False)
+
+    params, buffers = _state(holder)
+    decompositions = NO_DETACH_DECOMPOSITION if variant.knob("detach") == "alias" else None
+    with module_mode(ctx.model, variant.knob("mode")), _autocast(_device(ctx.model), variant.knob("autocast")):
+        return make_fx(
+            functional,
+            decomposition_table=decompositions,
+            tracing_mode=variant.knob("tracing_mode"),
+            pre_dispatch=variant.knob("pre_dispatch"),
+            record_stack_traces=True,
+        )(params, buffers, ctx.batch, dict(ctx.weights))
+
+
+class _StepHolder(torch.nn.Module):
+    """Makes the step a module call, so ``functional_call`` can swap in parameters for tracing."""
+
+    def __init__(self, model: torch.nn.Module, weighted: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model = model
+        self._weighted = weighted
+
+    def forward(self, batch: Any, weights: dict) -> Any:
+        return self._weighted(self.model, batch, weights)
+
+
+def _state(holder: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return dict(holder.named_parameters()), dict(holder.named_buffers())
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def build(variant: VariantSpec, ctx: VariantContext) -> Built:
+    """Build ``variant`` once. A failure to trace is returned as the build's error, not raised."""
+    from .measure import run_error
+
+    device = _device(ctx.model)
+    autocast = variant.knob("autocast") if variant.capture != "user" else "off"
+    mode = variant.knob("mode") if variant.capture != "user" else "as-is"
+
+    if variant.capture == "user":
+        assert variant.builder is not None
+        try:
+            return Built(run=variant.builder(ctx))
+        except Exception as e:
+            return Built(error=run_error("build", e))
+
+    if variant.capture == "make_fx":
+        try:
+            gm = trace_step(ctx, variant)
+        except Exception as e:
+            return Built(error=run_error("trace", e))
+        holder_params, holder_buffers = _state(_StepHolder(ctx.model, ctx.weighted()))
+        target: Callable[..., Any] = gm
+        built = Built(graph=gm)
+        if variant.compiled:
+            built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
+            target = torch.compile(gm, backend=built.counter, fullgraph=variant.knob("fullgraph"),
+                                   dynamic=variant.knob("dynamic"))  # fmt: skip
+            built.code = type(gm).forward.__code__
+        context = _compile_context(variant.backend)
+
+        def run_traced(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
+            with context:
+                return target(holder_params, holder_buffers, batch, dict(weights))
+
+        built.run = run_traced
+        return built
+
+    weighted = ctx.weighted()
+    built = Built()
+    target = weighted
+    if variant.compiled:
+        built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
+        target = torch.compile(weighted, backend=built.counter, fullgraph=variant.knob("fullgraph"),
+                               dynamic=variant.knob("dynamic"))  # fmt: skip
+        built.code = _code_of(weighted)
+    context = _compile_context(variant.backend)
+
+    def run_direct(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
+        with module_mode(ctx.model, mode), _autocast(device, autocast), context:
+            return target(ctx.model, batch, dict(weights) if variant.compiled else weights)
+
+    built.run = run_direct
+    return built
+
+
+def _code_of(fn: Any) -> types.CodeType | None:
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(fn, "__code__", None)

@@ -1,0 +1,61 @@
+"""flow-mismatch: a variant reaches other parameters than the reference, or gets their values wrong,
+and no more specific cause in the catalogue explains it."""
+
+from __future__ import annotations
+
+from ..compare import EXTRA, MISSING, WRONG
+from ..flowmap import Finding, FlowMap
+from .common import names
+
+CAUSE = "flow-mismatch"
+
+
+def mismatch_summary(fm: FlowMap, variant: str, scenario: str) -> dict[str, object] | None:
+    """Counts, lost/extra parameters and wrong values of one run against the reference; None if equal."""
+    diffs = fm.differences(variant, scenario)
+    if not diffs:
+        return None
+    wrong = {p: c.rel_error for p, c in diffs.items() if c.verdict == WRONG}
+    finite = [e for e in wrong.values() if e is not None and e == e]
+    return {
+        "scenario": scenario,
+        "count": fm.count(variant, scenario)[0],
+        "reference_count": fm.count(fm.reference, scenario)[0],
+        "missing": [p for p, c in diffs.items() if c.verdict == MISSING],
+        "extra": [p for p, c in diffs.items() if c.verdict == EXTRA],
+        "wrong": list(wrong),
+        "max_rel_error": max(finite) if finite else None,
+    }
+
+
+def describe(s: dict) -> str:
+    parts = [f"{s['scenario']}: {s['count']} reached vs {s['reference_count']}"]
+    if s["missing"]:
+        parts.append(f"lost {names(s['missing'])}")
+    if s["extra"]:
+        parts.append(f"extra {names(s['extra'])}")
+    if s["wrong"]:
+        err = f" (rel. error up to {s['max_rel_error']:.2g})" if s["max_rel_error"] is not None else ""
+        parts.append(f"{len(s['wrong'])} of the {s['count']} reached have wrong values{err}")
+    return "; ".join(parts)
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    findings = []
+    for v in fm.variant_names:
+        if v == fm.reference:
+            continue
+        summaries = [s for sc in fm.scenario_names if (s := mismatch_summary(fm, v, sc)) is not None]
+        if not summaries:
+            continue
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                f"{v} does not match {fm.reference}: " + " | ".join(describe(s) for s in summaries),
+                evidence={"variant": v, "reference": fm.reference, "scenarios": summaries},
+                fix=f"compare {v} with {fm.reference} parameter by parameter (the diff below); bisect the "
+                "variant's knobs (capture, detach handling, mode, backend) to find the step that breaks it",
+            )
+        )
+    return findings

@@ -1,0 +1,32 @@
+"""frozen-trace: a traced variant matches the reference on the batch it was traced on but not on a
+second batch of the same shapes: the trace froze trace-time tensors (``pre_dispatch=True`` does)."""
+
+from __future__ import annotations
+
+from ..flowmap import Finding, FlowMap
+from .common import names
+
+CAUSE = "frozen-trace"
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    findings = []
+    for v in fm.variants:
+        sb = v.second_batch
+        if not sb or not sb.get("mismatched") or v.name == fm.reference:
+            continue
+        if fm.differences(v.name, sb["scenario"]):
+            continue  # already wrong on the first batch: flow-mismatch or a specific cause explains it
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                f"{v.name} matches {fm.reference} on the traced batch but not on a second batch of the same "
+                f"shapes ({sb['scenario']}): {len(sb['mismatched'])} parameter(s) differ, rel. error up to "
+                f"{sb['max_rel_error']:.2g}: {names(sb['mismatched'])}",
+                evidence={"variant": v.name, "second_batch": sb},
+                fix="the trace froze values computed at trace time into the graph: trace without "
+                "pre_dispatch, keep inputs as graph inputs (not closures or globals), or re-trace per batch",
+            )
+        )
+    return findings
