@@ -31,7 +31,7 @@ def test_summary_table_with_several_variants():
     assert summary_table(two_variant_map()) == (
         "                       eager   make_fx\n"
         "energy only:           3/3     3/3\n"
-        "force only:            2/3     error: RuntimeError"
+        "force only:            2/3     error: double backward unsupported   <-- problem"
     )
 
 

@@ -66,7 +66,9 @@ def fresh_copy(fn: Any) -> Any:
     if isinstance(fn, functools.partial):
         return functools.partial(fresh_copy(fn.func), *fn.args, **fn.keywords)
     if isinstance(fn, types.FunctionType):
-        copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy = types.FunctionType(
+            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
         copy.__kwdefaults__ = fn.__kwdefaults__
         copy.__qualname__ = fn.__qualname__
         copy.__dict__.update(fn.__dict__)
@@ -174,7 +176,10 @@ def trace_step(ctx: VariantContext, variant: VariantSpec) -> torch.fx.GraphModul
 
     params, buffers = _state(holder)
     decompositions = NO_DETACH_DECOMPOSITION if variant.knob("detach") == "alias" else None
-    with module_mode(ctx.model, variant.knob("mode")), _autocast(_device(ctx.model), variant.knob("autocast")):
+    with (
+        module_mode(ctx.model, variant.knob("mode")),
+        _autocast(_device(ctx.model), variant.knob("autocast")),
+    ):
         return make_fx(
             functional,
             decomposition_table=decompositions,

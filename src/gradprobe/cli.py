@@ -36,7 +36,9 @@ VARIANTS_HELP = (
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default="eager", help=VARIANTS_HELP)
     p.add_argument("--reference", help="the variant the others are compared with (default: the first)")
-    p.add_argument("--all", action="store_true", help="show every parameter in the diff, not only what differs")
+    p.add_argument(
+        "--all", action="store_true", help="show every parameter in the diff, not only what differs"
+    )
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
 
 

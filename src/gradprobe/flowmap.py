@@ -16,8 +16,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import FlowMapFormatError, did_you_mean
 from .compare import VERDICTS
+from .errors import FlowMapFormatError, did_you_mean
 from .status import NONZERO, STATUSES
 
 SCHEMA = "gradprobe.flowmap/1"

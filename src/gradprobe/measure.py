@@ -49,6 +49,8 @@ def run_error(stage: str, e: BaseException) -> RunError:
         stage = "compile"
     text = str(e).strip()
     message = text.splitlines()[0] if text else type(e).__name__
+    if len(message) > 160 and ". " in message[60:]:
+        message = message[: 60 + message[60:].index(". ") + 1]  # the first sentence is the message
     if "double backward" in text and "aot_autograd" in text:
         message = "torch.compile with aot_autograd does not currently support double backward"
     return RunError(stage, type(e).__name__, message[:500])
@@ -155,7 +157,9 @@ def per_term(
         error = acc_error[s.name]
         if error is None and acc[s.name] is None:
             error = no_grad_path(f"no term of scenario {s.name!r}")
-        results[s.name] = _reduced(s.name, acc.pop(s.name) if error is None else None, error, values, t0, keep)
+        results[s.name] = _reduced(
+            s.name, acc.pop(s.name) if error is None else None, error, values, t0, keep
+        )
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
     return list(terms), scenarios, [results[s.name] for s in scenarios]
@@ -176,7 +180,12 @@ def _add(acc: Grads | None, grads: Grads) -> Grads:
 
 
 def _reduced(
-    name: str, grads: Grads | None, error: RunError | None, values: dict[str, float | None], t0: float, keep: bool
+    name: str,
+    grads: Grads | None,
+    error: RunError | None,
+    values: dict[str, float | None],
+    t0: float,
+    keep: bool,
 ) -> Measurement:
     m = Measurement(name, term_values=dict(values), error=error)
     if grads is not None and error is None:

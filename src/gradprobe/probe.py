@@ -85,7 +85,9 @@ def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str |
         raise SpecError("a weights-mode step needs terms=[...]: the names of the weights it takes")
     ref_name = reference or variants[0].name
     if ref_name not in [v.name for v in variants]:
-        raise SpecError(f"reference variant {ref_name!r} is not among the variants: {[v.name for v in variants]}")
+        raise SpecError(
+            f"reference variant {ref_name!r} is not among the variants: {[v.name for v in variants]}"
+        )
     # The reference is measured first: the others are compared with its gradients.
     ordered = sorted(variants, key=lambda v: v.name != ref_name)
     if spec.terms is None and not (mode == "terms" and _is_plain_eager(ordered[0])):
@@ -193,51 +195,81 @@ def _second_batch(
     """Re-measure traced variants on a second batch of the same shapes, against eager on that batch.
 
     A trace can freeze trace-time tensors (``pre_dispatch=True`` does) and still look exact on the
-    batch it was traced on. One scenario (the one with the most terms) suffices to see it.
+    batch it was traced on. One scenario suffices: the one with the most terms among those that ran on
+    the first batch. Term values are compared too: stale forces show in the force term's value even
+    where no gradient can be taken.
     """
-    traced = [
-        m
-        for m in measured
-        if m.variant.traced and m.info.name in builds and any(r.error is None for r in m.results)
-    ]
-    if spec.second_batch is None or not traced or not scenarios:
+    if spec.second_batch is None or not scenarios:
         return {}
-    scenario = max(scenarios, key=lambda s: len(s.terms))
     batch2 = with_differentiable_inputs(spec.second_batch, spec.differentiable_inputs)
     first = params[0]
     if mode == "terms":
         ctx = VariantContext(model, spec.step, mode, terms, batch2, make_weights(terms, terms, first))
         weighted = ctx.weighted()
-        ref = per_scenario(lambda w: weighted(model, batch2, w), params, [scenario], terms, spec.seed, keep=True)
+
+        def eager(w: Any) -> Any:
+            return weighted(model, batch2, w)
     else:
-        ref = per_scenario(lambda w: spec.step(model, batch2, w), params, [scenario], terms, spec.seed, keep=True)
-    out: dict[str, dict[str, Any]] = {}
+
+        def eager(w: Any) -> Any:
+            return spec.step(model, batch2, w)
+
+    by_terms = sorted(scenarios, key=lambda s: -len(s.terms))
+    references: dict[str, Measurement] = {}
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    rtol_base = str(first.dtype).removeprefix("torch.")
-    for m in traced:
-        if m.info.name == ref_name:
+    out: dict[str, dict[str, Any]] = {}
+    for m in measured:
+        ok = {r.scenario for r in m.results if r.error is None}
+        if m.info.name == ref_name or not m.variant.traced or m.info.name not in builds or not ok:
             continue
+        scenario = next(s for s in by_terms if s.name in ok)
+        if scenario.name not in references:
+            (references[scenario.name],) = per_scenario(
+                eager, params, [scenario], terms, spec.seed, keep=True
+            )
+        ref = references[scenario.name]
         run = builds[m.info.name].run
         assert run is not None
         (res,) = per_scenario(
-            lambda w, run=run: run(batch2, w), params, [scenario], terms, spec.seed, reference={scenario.name: ref[0]}
+            lambda w, run=run: run(batch2, w),
+            params,
+            [scenario],
+            terms,
+            spec.seed,
+            reference={scenario.name: ref},
         )
-        entry: dict[str, Any] = {"scenario": scenario.name, "error": None, "max_rel_error": None, "mismatched": []}
-        if res.error is not None or ref[0].error is not None:
-            err = res.error or ref[0].error
+        rtol = tolerance(str(first.dtype).removeprefix("torch."), m.variant.knobs.get("autocast", "off"))
+        entry: dict[str, Any] = {
+            "scenario": scenario.name,
+            "error": None,
+            "max_rel_error": None,
+            "mismatched": [],
+            "term_values": {},
+        }
+        for t, value in res.term_values.items():
+            expected = ref.term_values.get(t)
+            if value is not None and expected is not None and not _close(value, expected, rtol):
+                entry["term_values"][t] = {"variant": value, "reference": expected}
+        if res.error is not None or ref.error is not None:
+            err = res.error or ref.error
             assert err is not None
             entry["error"] = f"{err.stage}: {err.type}: {err.message}"
         elif res.rel_errors is not None:
-            rtol = tolerance(rtol_base, m.variant.knobs.get("autocast", "off"))
             finite = [e for e in res.rel_errors if e is not None]
             entry["max_rel_error"] = max(finite) if finite else 0.0
             entry["mismatched"] = [
                 n
-                for n, e, st, rst in zip(names, res.rel_errors, res.statuses or [], ref[0].statuses or [], strict=False)
+                for n, e, st, rst in zip(
+                    names, res.rel_errors, res.statuses or [], ref.statuses or [], strict=False
+                )
                 if verdict(rst, st, e, rtol) != "match"
             ]
         out[m.info.name] = entry
     return out
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300) or a == b
 
 
 def _stochastic_warnings(model: torch.nn.Module, measured: list[_Measured]) -> list[str]:
@@ -285,7 +317,9 @@ def _flow_map(
             refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
             for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
                 v = None if refs is None else verdict(refs[i], st, rel[i], rtol)
-                cells.append(Cell(x.info.name, m.scenario, n, st, nm, rel[i] if refs is not None else None, v))
+                cells.append(
+                    Cell(x.info.name, m.scenario, n, st, nm, rel[i] if refs is not None else None, v)
+                )
             # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
             cells.extend(Cell(x.info.name, m.scenario, n, "none", None) for n in frozen)
     first = trainable[0][1]

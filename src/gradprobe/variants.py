@@ -105,7 +105,9 @@ def _parse_knobs(text: str | None, table: dict[str, tuple[Any, tuple[Any, ...] |
         value = _value(raw.strip())
         allowed = table[key][1]
         if allowed is not None and value not in allowed:
-            raise SpecError(f"knob {key}={raw.strip()} for {part}: allowed values are {'|'.join(map(_spell, allowed))}")
+            raise SpecError(
+                f"knob {key}={raw.strip()} for {part}: allowed values are {'|'.join(map(_spell, allowed))}"
+            )
         if value != table[key][0]:
             knobs[key] = value
     return knobs
@@ -147,7 +149,9 @@ def parse_variant(text: str) -> VariantSpec:
     for i, raw in enumerate(parts):
         m = _PART.match(raw.strip())
         if m is None:
-            raise SpecError(f"cannot read variant {text!r}: expected e.g. make_fx[detach=alias]+compile:aot_eager")
+            raise SpecError(
+                f"cannot read variant {text!r}: expected e.g. make_fx[detach=alias]+compile:aot_eager"
+            )
         head, knob_text = m["head"], m["knobs"]
         if head == EAGER and len(parts) == 1:
             knobs.update(_parse_knobs(knob_text, STEP_KNOBS, head))

@@ -13,17 +13,24 @@ def detect(fm: FlowMap) -> list[Finding]:
     findings = []
     for v in fm.variants:
         sb = v.second_batch
-        if not sb or not sb.get("mismatched") or v.name == fm.reference:
+        if not sb or v.name == fm.reference or not (sb.get("mismatched") or sb.get("term_values")):
             continue
         if fm.differences(v.name, sb["scenario"]):
             continue  # already wrong on the first batch: flow-mismatch or a specific cause explains it
+        parts = []
+        if sb.get("mismatched"):
+            parts.append(
+                f"{len(sb['mismatched'])} parameter gradient(s) differ (rel. error up to {sb['max_rel_error']:.2g}): "
+                f"{names(sb['mismatched'])}"
+            )
+        for term, values in (sb.get("term_values") or {}).items():
+            parts.append(f"term {term} = {values['variant']:.6g} vs {values['reference']:.6g}")
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{v.name} matches {fm.reference} on the traced batch but not on a second batch of the same "
-                f"shapes ({sb['scenario']}): {len(sb['mismatched'])} parameter(s) differ, rel. error up to "
-                f"{sb['max_rel_error']:.2g}: {names(sb['mismatched'])}",
+                f"{v.name} matches {fm.reference} on the batch it was traced on but not on a second batch of the "
+                f"same shapes ({sb['scenario']}): " + "; ".join(parts),
                 evidence={"variant": v.name, "second_batch": sb},
                 fix="the trace froze values computed at trace time into the graph: trace without "
                 "pre_dispatch, keep inputs as graph inputs (not closures or globals), or re-trace per batch",

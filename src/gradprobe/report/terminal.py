@@ -78,13 +78,17 @@ def _meaning(fm: FlowMap, v: str, s: str, summary: dict) -> str:
     count, ref_count = summary["count"], summary["reference_count"]
     err = summary["max_rel_error"]
     wrong = summary["wrong"]
-    wrong_text = f"{len(wrong)} of {count} reached have wrong values (rel. error up to {err:.2g})" if wrong else ""
+    wrong_text = (
+        f"{len(wrong)} of {count} reached have wrong values (rel. error up to {err:.2g})" if wrong else ""
+    )
     if count == 0 and ref_count > 0:
         head = f"reaches 0/{ref_count} — catastrophic: wrong create_graph (eval mode?) or a backend that drops the term"
     elif count < ref_count:
         head = f"reaches {count} vs {ref_count} in {fm.reference} — tracing or compilation breaks some paths"
     elif count > ref_count:
-        head = f"reaches {count} vs {ref_count} in {fm.reference} — extra gradients the reference does not have"
+        head = (
+            f"reaches {count} vs {ref_count} in {fm.reference} — extra gradients the reference does not have"
+        )
     else:
         head = f"{count} reached, like {fm.reference}, but values differ"
     parts = [head]
@@ -110,7 +114,9 @@ def _covered_by_others(fm: FlowMap, v: str, s: str) -> str:
     return ""
 
 
-def diff_lines(fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30) -> list[str]:
+def diff_lines(
+    fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30
+) -> list[str]:
     """Per-parameter diff of one run against the reference: name, statuses, relative error, ``<-- DIFF``."""
     ref = fm.reference
     cells = fm.cells_of(variant, scenario)
@@ -125,7 +131,10 @@ def diff_lines(fm: FlowMap, variant: str, scenario: str, *, show_all: bool = Fal
     width = max(len("parameter"), *(len(r[0]) for r in rows)) + 2
     vw = max(len(variant), 8) + 2
     rw = max(len(ref), 8) + 2
-    out = [f"{scenario}: {ref} vs {variant}", f"  {'parameter'.ljust(width)}{ref.ljust(rw)}{variant.ljust(vw)}rel.err"]
+    out = [
+        f"{scenario}: {ref} vs {variant}",
+        f"  {'parameter'.ljust(width)}{ref.ljust(rw)}{variant.ljust(vw)}rel.err",
+    ]
     for p, rs, st, err, ver in rows[:limit]:
         mark = f"   <-- DIFF {ver}" if ver not in (None, "match") else ""
         out.append(f"  {p.ljust(width)}{rs.ljust(rw)}{st.ljust(vw)}{_num(err).ljust(9)}{mark}".rstrip())
@@ -189,8 +198,13 @@ def variant_lines(fm: FlowMap) -> list[str]:
         if sb:
             if sb.get("error"):
                 facts.append(f"second batch: {sb['error']}")
-            elif sb.get("mismatched"):
-                facts.append(f"second batch: {len(sb['mismatched'])} differ (rel. error up to {sb['max_rel_error']:.2g})")
+            elif sb.get("mismatched") or sb.get("term_values"):
+                stale = (
+                    f", stale term values: {', '.join(sb['term_values'])}" if sb.get("term_values") else ""
+                )
+                facts.append(
+                    f"second batch ({sb['scenario']}): {len(sb['mismatched'])} gradient(s) differ{stale}"
+                )
             else:
                 facts.append(f"second batch: matches ({sb['scenario']})")
         lines.append(f"{v.name}: " + ", ".join(facts))
@@ -199,7 +213,9 @@ def variant_lines(fm: FlowMap) -> list[str]:
 
 def _agreement(fm: FlowMap, variant: str) -> str:
     """'matches eager on all 56 cells (max rel. error 8.9e-16)', or how many cells differ."""
-    cells = [c for s in fm.scenario_names for c in fm.cells_of(variant, s).values() if c.parameter in fm.trainable]
+    cells = [
+        c for s in fm.scenario_names for c in fm.cells_of(variant, s).values() if c.parameter in fm.trainable
+    ]
     failed = sum(fm.run(variant, s).error is not None for s in fm.scenario_names)
     differing = sum(c.verdict not in (None, "match") for c in cells)
     errors = [c.rel_error for c in cells if c.rel_error is not None and not math.isnan(c.rel_error)]
@@ -242,7 +258,8 @@ def render(fm: FlowMap, *, show_all: bool = False) -> str:
         out.append("")
     title = "parameters reached per scenario (non-zero gradient / trainable)"
     if len(fm.variants) > 1:
-        title += f"; '!' = differs from {fm.reference} in reach or value (rtol {fm.rtol:g})"
+        rtol = f" (rtol {fm.rtol:g})" if fm.rtol is not None else ""
+        title += f"; '!' = differs from {fm.reference} in reach or value{rtol}"
     out.append(f"{title}, {fm.device} {fm.dtype}:")
     out.append(summary_table(fm))
     interp = interpretation_lines(fm)
