@@ -172,3 +172,24 @@ def test_stochastic_ops_warn_when_comparing():
     assert any("stochastic ops" in w for w in fm.warnings)
     # Every run is reseeded: the traced dropout draws what eager drew.
     assert not fm.differences("make_fx", "y only")
+
+
+def test_autocast_knob_uses_the_low_precision_tolerance():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    fm = gradprobe.probe(model, lambda m, b: {"y": m(b).pow(2).mean()}, torch.randn(8, 3),
+                         variants="eager,eager[autocast=bf16]")  # fmt: skip
+    cells = fm.cells_of("eager[autocast=bf16]", "y only").values()
+    assert all(c.verdict == "match" for c in cells)
+    assert 0 < max(c.rel_error for c in cells) < 5e-2  # bf16 rounding, within its tolerance
+
+
+@pytest.mark.inductor
+def test_inductor_on_the_traced_first_order_graph_matches_eager(tiny):
+    model, batch = tiny
+    fm = gradprobe.probe(model, step, batch, variants="eager,make_fx[detach=alias]+compile:inductor")
+    name = "make_fx[detach=alias]+compile:inductor"
+    assert fm.variant(name).compile_count == 1
+    cells = [c for s in fm.scenario_names for c in fm.cells_of(name, s).values()]
+    assert all(c.verdict == "match" for c in cells)
+    assert max(c.rel_error for c in cells if c.rel_error is not None) <= 1e-10
