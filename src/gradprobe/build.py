@@ -114,16 +114,7 @@ class Built:
     error: RunError | None = None
     counter: CompileCounter | None = None
     graph: torch.fx.GraphModule | None = None  # the make_fx graph, for the locator
-    code: types.CodeType | None = None  # the code object torch.compile wrapped (its cache = recompiles)
     notes: list[str] = field(default_factory=list)
-
-    def compile_count(self) -> int | None:
-        """Dynamo cache entries for the compiled code: 1 when nothing recompiled."""
-        if self.counter is None or self.code is None:
-            return None
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(self.code))
 
 
 @contextlib.contextmanager
@@ -186,6 +177,7 @@ def trace_step(ctx: VariantContext, variant: VariantSpec) -> torch.fx.GraphModul
             tracing_mode=variant.knob("tracing_mode"),
             pre_dispatch=variant.knob("pre_dispatch"),
             record_stack_traces=True,
+            record_module_stack=True,
         )(params, buffers, ctx.batch, dict(ctx.weights))
 
 
@@ -236,7 +228,6 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
             built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
             target = torch.compile(gm, backend=built.counter, fullgraph=variant.knob("fullgraph"),
                                    dynamic=variant.knob("dynamic"))  # fmt: skip
-            built.code = type(gm).forward.__code__
         context = _compile_context(variant.backend)
 
         def run_traced(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
@@ -253,7 +244,6 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
         built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
         target = torch.compile(weighted, backend=built.counter, fullgraph=variant.knob("fullgraph"),
                                dynamic=variant.knob("dynamic"))  # fmt: skip
-        built.code = _code_of(weighted)
     context = _compile_context(variant.backend)
 
     def run_direct(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
@@ -262,8 +252,3 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
 
     built.run = run_direct
     return built
-
-
-def _code_of(fn: Any) -> types.CodeType | None:
-    fn = fn.func if isinstance(fn, functools.partial) else fn
-    return getattr(fn, "__code__", None)

@@ -26,7 +26,7 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 VARIANTS_HELP = (
-    "comma-separated variants to compare (default: eager), e.g. eager,make_fx,compile:aot_eager,"
+    "comma-separated variants to compare (default: the spec's, else eager), e.g. eager,make_fx,compile:aot_eager,"
     "make_fx[detach=alias]+compile:inductor; backends: eager, aot_eager, aot_eager_decomp_partition, inductor; "
     "knobs in brackets: mode=train|eval, autocast=bf16|fp16, detach=keep|alias, tracing_mode=real|symbolic, "
     "pre_dispatch=true, fullgraph=true, dynamic=true|false"
@@ -34,12 +34,17 @@ VARIANTS_HELP = (
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="eager", help=VARIANTS_HELP)
+    p.add_argument("--variants", help=VARIANTS_HELP)
     p.add_argument("--reference", help="the variant the others are compared with (default: the first)")
     p.add_argument(
         "--all", action="store_true", help="show every parameter in the diff, not only what differs"
     )
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="bisect failing variants' knobs and locate the break in the model (extra traces and compiles)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-virial", action="store_true", help="data without virial labels (no virial term)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and weights")
+    demo.add_argument(
+        "--bug",
+        metavar="ID",
+        help="inject a known bug into the reference potential and diagnose it (--bug list)",
+    )
 
     run = sub.add_parser(
         "run", help="probe a spec: FILE.py[:FUNCTION], FUNCTION returning a gradprobe.ProbeSpec"
@@ -127,19 +137,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .probe import probe
 
+        diagnose = args.diagnose
         if args.command == "demo":
             from .zoo import reference_spec
+            from .zoo.bugs import BUGS
 
+            if args.bug == "list":
+                width = max(map(len, BUGS))
+                for bug in BUGS.values():
+                    sys.stdout.write(f"{bug.id.ljust(width)}  {bug.description} (variants: {bug.variants})\n")
+                return EXIT_OK
             spec = reference_spec(
                 device=args.device,
                 dtype=_dtype(args.dtype),
                 mode=args.mode,
                 with_virial=not args.no_virial,
                 seed=args.seed,
+                bug=args.bug,
             )
+            diagnose = diagnose or args.bug is not None
         else:
             spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
-        fm = probe(spec, variants=args.variants, reference=args.reference)
+        fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose)
         return _report(fm, args.json, args.all)
     except GradProbeError as e:
         sys.stderr.write(f"gradprobe: error: {e}\n")

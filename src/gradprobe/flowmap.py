@@ -56,13 +56,14 @@ class VariantInfo:
     name: str
     knobs: dict[str, Any] = field(default_factory=dict)
     error: RunError | None = None
-    compile_count: int | None = None  # dynamo cache entries of the compiled code: 1 = compiled once
+    compile_count: int | None = None  # runs in which the backend compiled a graph: 1 = compiled once
     seconds: float = 0.0
     capture: str = "eager"  # eager | make_fx | user
     backend: str | None = None
     graphs: int | None = None  # graphs handed to the backend (more than 1: graph breaks or recompiles)
     graph_breaks: int | None = None
     second_batch: dict[str, Any] | None = None  # comparison with the reference on a second batch
+    graph: dict[str, Any] | None = None  # lint of the traced graph (graphlint.lint)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Run:
     total: float | None = None
     error: RunError | None = None
     seconds: float = 0.0
+    compiled_graphs: int | None = None  # graphs compiled during this run: > 0 after the first = recompiles
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class FlowMap:
     reference: str = "eager"  # the variant others are compared with
     rtol: float | None = None  # relative L1 error above which a value counts as wrong
     warnings: tuple[str, ...] = ()
+    bisections: tuple[dict[str, Any], ...] = ()  # bisect.Bisection.to_dict() per failing variant
+    breaks: tuple[dict[str, Any], ...] = ()  # locate.Break.to_dict(): where chains break in the model
     schema: str = SCHEMA
 
     # ----- queries -------------------------------------------------------------------------------
@@ -187,6 +191,9 @@ class FlowMap:
         """Cells of that run whose verdict against the reference is not ``match``."""
         return {p: c for p, c in self.cells_of(variant, scenario).items() if c.verdict not in (None, "match")}
 
+    def bisection(self, variant: str) -> dict[str, Any] | None:
+        return next((b for b in self.bisections if b.get("variant") == variant), None)
+
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "error"]
 
@@ -216,6 +223,8 @@ class FlowMap:
             "reference": self.reference,
             "rtol": self.rtol,
             "warnings": list(self.warnings),
+            "bisections": list(self.bisections),
+            "breaks": list(self.breaks),
         }
         return _json_safe(d)
 
@@ -260,6 +269,7 @@ class FlowMap:
                         v.get("graphs"),
                         v.get("graph_breaks"),
                         v.get("second_batch"),
+                        v.get("graph"),
                     )
                     for v in d["variants"]
                 ),
@@ -271,6 +281,7 @@ class FlowMap:
                         _float(r.get("total")),
                         _error(r.get("error")),
                         float(r.get("seconds", 0.0)),
+                        r.get("compiled_graphs"),
                     )
                     for r in d["runs"]
                 ),
@@ -313,6 +324,8 @@ class FlowMap:
                 reference=str(d.get("reference", "eager")),
                 rtol=_float(d.get("rtol")),
                 warnings=tuple(str(w) for w in d.get("warnings") or ()),
+                bisections=tuple(dict(b) for b in d.get("bisections") or ()),
+                breaks=tuple(dict(b) for b in d.get("breaks") or ()),
             )
         except FlowMapFormatError:
             raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class Measurement:
     seconds: float = 0.0
     rel_errors: list[float | None] | None = None  # against the reference, when one was given
     grads: Grads | None = None  # kept only for the reference variant (one copy of the gradients)
+    compiled_graphs: int | None = None  # graphs the backend compiled during this run (0 = no recompile)
 
 
 def run_error(stage: str, e: BaseException) -> RunError:
@@ -210,13 +212,13 @@ def per_scenario(
     *,
     keep: bool = False,
     reference: Mapping[str, Measurement] | None = None,
-    executions: Callable[[], int] | None = None,
+    counter: Any = None,
 ) -> list[Measurement]:
     """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors.
 
-    ``reference``: measurements (with gradients) to compare values with. ``executions``: how many times
-    the variant's compiled graphs have run so far; a run that adds none ran in eager and is recorded as
-    a dynamo fallback rather than measured as if compiled.
+    ``reference``: measurements (with gradients) to compare values with. ``counter``: the variant's
+    ``CompileCounter``; a run in which no compiled graph executed ran in eager and is recorded as a
+    dynamo fallback rather than measured as if compiled, and graphs compiled per run show recompiles.
     """
     like = params[0]
     results = []
@@ -224,7 +226,7 @@ def per_scenario(
         t0 = time.perf_counter()
         reseed(seed)
         m = Measurement(s.name)
-        before = executions() if executions is not None else 0
+        executions, graphs = (counter.executions, counter.graphs) if counter is not None else (0, 0)
         try:
             out = call(make_weights(terms, s.terms, like))
         except GradProbeError:
@@ -236,7 +238,9 @@ def per_scenario(
             host = _host_values({"__total__": total, **values})
             m.total = host.pop("__total__")
             m.term_values = host
-            if executions is not None and executions() == before:
+            if counter is not None:
+                m.compiled_graphs = counter.graphs - graphs
+            if counter is not None and counter.executions == executions:
                 m.error = RunError(
                     "compile",
                     "DynamoFallback",

@@ -16,6 +16,7 @@ from .compare import tolerance, verdict
 from .diagnose import diagnose
 from .errors import SpecError
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
+from .graphlint import lint
 from .measure import Measurement, per_scenario, per_term
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, resolve_model
@@ -29,16 +30,19 @@ def probe(
     step: Any = None,
     batch: Any = None,
     *,
-    variants: str | Sequence[str | VariantSpec] = "eager",
+    variants: str | Sequence[str | VariantSpec] | None = None,
     reference: str | None = None,
+    diagnose: bool = False,
     **spec_fields: Any,
 ) -> FlowMap:
     """Measure which parameters each loss term reaches, alone and all together, in each variant.
 
     Call it with a spec, ``probe(spec, variants=...)``, or with the spec's fields,
     ``probe(model, step, batch, terms=[...])``. ``variants`` is a comma-separated spelling such as
-    ``"eager,make_fx,compile:aot_eager"``; every variant's gradients are compared value by value with
-    the ``reference`` variant (default: the first). Returns the flow map; the model's parameters,
+    ``"eager,make_fx,compile:aot_eager"`` (default: the spec's ``variants``, else ``"eager"``); every
+    variant's gradients are compared value by value with the ``reference`` variant (default: the first).
+    ``diagnose=True`` also bisects each failing variant's knobs and locates where chains break in the
+    model (extra traces and compiles), so findings can name the cause, the place and a verified fix. Returns the flow map; the model's parameters,
     ``.grad``, ``requires_grad`` flags, train/eval modes, buffers and RNG state are as they were.
 
     >>> import torch
@@ -56,7 +60,7 @@ def probe(
         spec = model
     else:
         spec = ProbeSpec(model=model, step=step, batch=batch, **spec_fields)
-    return run_probe(spec, parse_variants(variants), reference)
+    return run_probe(spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose)
 
 
 @dataclass
@@ -70,7 +74,9 @@ def _is_plain_eager(v: VariantSpec) -> bool:
     return v.capture == "eager" and v.backend is None and not v.knobs
 
 
-def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str | None = None) -> FlowMap:
+def run_probe(
+    spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str | None = None, diagnose_: bool = False
+) -> FlowMap:
     model = resolve_model(spec)
     named = list(model.named_parameters())
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -100,6 +106,9 @@ def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str |
     terms: list[str] = list(spec.terms) if spec.terms is not None else []
     scenarios: Sequence[Scenario] = resolve_scenarios(spec.scenarios, terms) if terms else ()
     measured: list[_Measured] = []
+    bisections: list[dict[str, Any]] = []
+    breaks: list[dict[str, Any]] = []
+    model_training = model.training
     with preserved(model), torch.enable_grad():
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
@@ -137,7 +146,7 @@ def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str |
                         lambda w, run=built.run, b=batch: run(b, w),
                         params, scenarios, terms, spec.seed, keep=is_ref,
                         reference=None if is_ref else ref_results,
-                        executions=(lambda c=counter: c.executions) if counter is not None else None,
+                        counter=counter,
                     )  # fmt: skip
             if is_ref:
                 ref_results = {m.scenario: m for m in results}
@@ -145,24 +154,48 @@ def run_probe(spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str |
                 variant.name,
                 dict(variant.knobs),
                 built.error if built is not None else None,
-                built.compile_count() if built is not None else None,
+                _compiles(results) if built is not None and built.counter is not None else None,
                 time.perf_counter() - start,
                 variant.capture,
                 variant.backend,
                 built.counter.graphs if built is not None and built.counter is not None else None,
                 _graph_breaks() - breaks_before if variant.compiled else None,
+                graph=lint(built.graph, len(params))
+                if built is not None and built.graph is not None
+                else None,
             )
             measured.append(_Measured(variant, info, results))
         second = _second_batch(spec, model, params, mode, terms, scenarios, measured, builds, ref_name)
         for m in measured:
             if m.info.name in second:
                 m.info = replace(m.info, second_batch=second[m.info.name])
+        if diagnose_:
+            from .diagnosis import bisect_failing, locate_in_model
+
+            dtype_name = str(first.dtype).removeprefix("torch.")
+            bisections = bisect_failing(
+                spec,
+                model,
+                params,
+                mode,
+                terms,
+                scenarios,
+                batch,
+                measured,
+                ref_results,
+                ref_name,
+                dtype_name,
+                model_training,
+            )
+            breaks = locate_in_model(spec, model, mode, terms, batch, ref_results)
         ref_results.clear()  # drop the kept gradients
         for m in measured:
             for r in m.results:
                 r.grads = None
 
-    return _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
+    fm = _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
+    fm = replace(fm, bisections=tuple(bisections), breaks=tuple(breaks))
+    return replace(fm, findings=tuple(diagnose(fm)))
 
 
 def _compare_per_term(results: list[Measurement], reference: Mapping[str, Measurement]) -> list[Measurement]:
@@ -172,6 +205,11 @@ def _compare_per_term(results: list[Measurement], reference: Mapping[str, Measur
         if ref is not None and m.norms is not None and ref.norms is not None:
             m.rel_errors = [None if a is None else 0.0 for a in m.norms]
     return results
+
+
+def _compiles(results: list[Measurement]) -> int:
+    """Runs during which the backend compiled something: 1 when the variant compiled once for all."""
+    return sum(1 for m in results if m.compiled_graphs)
 
 
 def _graph_breaks() -> int:
@@ -310,7 +348,9 @@ def _flow_map(
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
-            runs.append(Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds))
+            runs.append(
+                Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs)
+            )
             if m.statuses is None or m.norms is None:
                 continue
             rel = m.rel_errors or [None] * len(trainable_names)
@@ -340,4 +380,4 @@ def _flow_map(
         rtol=tolerance(dtype),
         warnings=tuple(_stochastic_warnings(model, measured)),
     )
-    return replace(fm, findings=tuple(diagnose(fm)))
+    return fm

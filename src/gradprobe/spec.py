@@ -47,6 +47,8 @@ class ProbeSpec:
         notes: ``{parameter name or prefix: why it may legitimately get no gradient}``; shown in the
             report next to unreached parameters.
         seed: the RNG seed set before every run, so stochastic ops draw the same in every run.
+        variants: the execution paths this spec trains with (e.g. ``"eager,make_fx+compile:inductor"``);
+            used when ``probe()`` is given none.
         name: a label for reports.
         version: the spec format version this spec was written for.
     """
@@ -64,6 +66,7 @@ class ProbeSpec:
     differentiable_inputs: Sequence[str] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
     seed: int = 0
+    variants: str | Sequence[str] | None = None
     name: str = ""
     version: int = SPEC_VERSION
 

@@ -160,7 +160,7 @@ def parse_variant(text: str) -> VariantSpec:
             knobs.update(_parse_knobs(knob_text, {**STEP_KNOBS, **MAKE_FX_KNOBS}, head))
         elif head.startswith("compile:") and i == len(parts) - 1:
             backend = head.removeprefix("compile:")
-            if backend not in BACKENDS:
+            if backend not in BACKENDS and backend not in _registered_backends():
                 raise SpecError(
                     f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; backends are: {', '.join(BACKENDS)}"
                 )
@@ -174,6 +174,13 @@ def parse_variant(text: str) -> VariantSpec:
                 + (f", and registered: {', '.join(_USER_VARIANTS)}" if _USER_VARIANTS else "")
             )
     return VariantSpec(canonical_name(capture, backend, knobs), capture, backend, knobs)
+
+
+def _registered_backends() -> list[str]:
+    """Dynamo backends registered by name (custom ones included), looked up only for unknown names."""
+    from torch._dynamo import list_backends
+
+    return list(list_backends(exclude_tags=()))
 
 
 def parse_variants(given: str | Sequence[str | VariantSpec]) -> list[VariantSpec]:

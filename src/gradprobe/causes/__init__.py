@@ -1,18 +1,45 @@
-"""The catalogue of known causes: one module per cause, each exporting ``detect(fm) -> list[Finding]``."""
+"""The catalogue of known causes: one module per cause.
+
+Specific detectors are ``detect(fm) -> list[Finding]``; a finding lists the (variant, scenario) runs it
+explains in ``evidence["runs"]`` and the parameters in ``evidence["parameters"]``. The generic detectors
+(run-failed, flow-mismatch, unused-parameter) run last, ``detect(fm, explained)``, and report only what
+no specific cause explained.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..flowmap import Finding, FlowMap
-from . import flow_mismatch, nonfinite_grad, run_failed, second_batch, unused_parameter
+from . import (
+    backend_drops,
+    double_backward,
+    flow_mismatch,
+    graph_break_in_model,
+    makefx_detach,
+    nonfinite_grad,
+    recompile_per_scenario,
+    requires_grad_placement,
+    run_failed,
+    second_batch,
+    trace_eval_mode,
+    unused_parameter,
+)
+from .common import Explained
 
-Detector = Callable[[FlowMap], list[Finding]]
-
-DETECTORS: tuple[Detector, ...] = (
+SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
+    trace_eval_mode.detect,
+    makefx_detach.detect,
+    double_backward.detect,
+    backend_drops.detect,
+    requires_grad_placement.detect,
+    graph_break_in_model.detect,
+    recompile_per_scenario.detect,
+    nonfinite_grad.detect,
+    second_batch.detect,
+)
+GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
     run_failed.detect,
     flow_mismatch.detect,
-    second_batch.detect,
-    nonfinite_grad.detect,
     unused_parameter.detect,
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 
 def module_of(parameter: str) -> str:
@@ -23,3 +24,46 @@ def names(items: Iterable[str], limit: int = 8) -> str:
     items = list(items)
     shown = ", ".join(items[:limit])
     return shown + (f" … and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def failed_runs(fm, variant: str, predicate) -> list[str]:  # type: ignore[no-untyped-def]
+    """Scenarios of ``variant`` whose run error satisfies ``predicate``."""
+    return [
+        r.scenario for r in fm.runs if r.variant == variant and r.error is not None and predicate(r.error)
+    ]
+
+
+def differing(fm, variant: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Scenarios where ``variant``'s cells differ from the reference (missing, extra or wrong)."""
+    return [s for s in fm.scenario_names if fm.differences(variant, s)]
+
+
+def where(b: Mapping) -> str:  # type: ignore[type-arg]
+    """'potential.py:68 in descriptor (Descriptor): g = torch.tanh(...)' from a break or graph fact."""
+    import os
+
+    file = os.path.basename(str(b.get("file", "?")))
+    module = b.get("module")
+    mod = (
+        f" in {module or 'the root module'}" + (f" ({b['module_type']})" if b.get("module_type") else "")
+        if module is not None
+        else ""
+    )
+    code = f": {b['code']}" if b.get("code") else ""
+    return f"{file}:{b.get('line', '?')}{mod}{code}"
+
+
+def runs_of(variant: str, scenarios: Iterable[str]) -> list[list[str]]:
+    return [[variant, s] for s in scenarios]
+
+
+@dataclass
+class Explained:
+    """What specific causes already explain: (variant, scenario) runs and parameter names."""
+
+    runs: set[tuple[str, str]] = field(default_factory=set)
+    parameters: set[str] = field(default_factory=set)
+
+    def add(self, evidence: Mapping) -> None:  # type: ignore[type-arg]
+        self.runs.update((v, s) for v, s in evidence.get("runs") or ())
+        self.parameters.update(evidence.get("parameters") or ())

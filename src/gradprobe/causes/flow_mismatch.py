@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..compare import EXTRA, MISSING, WRONG
 from ..flowmap import Finding, FlowMap
-from .common import names
+from .common import Explained, names
 
 CAUSE = "flow-mismatch"
 
@@ -40,12 +40,17 @@ def describe(s: dict) -> str:
     return "; ".join(parts)
 
 
-def detect(fm: FlowMap) -> list[Finding]:
+def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
+    skip = explained.runs if explained is not None else set()
     findings = []
     for v in fm.variant_names:
         if v == fm.reference:
             continue
-        summaries = [s for sc in fm.scenario_names if (s := mismatch_summary(fm, v, sc)) is not None]
+        summaries = [
+            s
+            for sc in fm.scenario_names
+            if (v, sc) not in skip and (s := mismatch_summary(fm, v, sc)) is not None
+        ]
         if not summaries:
             continue
         findings.append(

@@ -1,28 +1,40 @@
-"""nonfinite-grad: a gradient holds NaN or Inf."""
+"""nonfinite-grad: a gradient holds NaN or Inf; the first op producing it is named where it can be found."""
 
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
-from .common import names
+from .common import names, where
 
 CAUSE = "nonfinite-grad"
 
 
 def detect(fm: FlowMap) -> list[Finding]:
+    located = [b for b in fm.breaks if b.get("kind") == "nonfinite"]
     findings = []
     for v in fm.variant_names:
-        for s in fm.scenario_names:
-            bad = {p: c.status for p, c in fm.cells_of(v, s).items() if c.status in (NAN, INF)}
-            if bad:
-                findings.append(
-                    Finding(
-                        CAUSE,
-                        "error",
-                        f"{s} in {v}: {len(bad)} parameter gradient(s) are NaN or Inf: {names(bad)}",
-                        evidence={"variant": v, "scenario": s, "parameters": bad},
-                        fix="find the first op producing it (torch.autograd.detect_anomaly); guard divisions, "
-                        "logs and square roots near zero with torch.where or an epsilon",
-                    )
-                )
+        bad = {
+            s: sorted(p for p, c in fm.cells_of(v, s).items() if c.status in (NAN, INF))
+            for s in fm.scenario_names
+        }
+        bad = {s: ps for s, ps in bad.items() if ps}
+        if not bad:
+            continue
+        params = sorted({p for ps in bad.values() for p in ps})
+        message = (
+            f"{v}: NaN/Inf gradients in {', '.join(bad)} for {len(params)} parameter(s): {names(params)}"
+        )
+        if located:
+            message += f" — first produced by {located[0].get('op')} at {where(located[0])}"
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                message,
+                evidence={"variant": v, "scenarios": bad, "break": located[0] if located else None},
+                location=located[0] if located else None,
+                fix="guard the op: compute sqrt/log/division on a safe value (torch.where on the INPUT, not only on "
+                "the output: the backward of an unselected branch still multiplies 0 by inf)",
+            )
+        )
     return findings

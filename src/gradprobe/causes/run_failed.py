@@ -4,15 +4,21 @@ in the catalogue explains it."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
+from .common import Explained
 
 CAUSE = "run-failed"
 
 
-def detect(fm: FlowMap) -> list[Finding]:
+def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
+    skip = explained.runs if explained is not None else set()
     findings = []
     for v in fm.variants:
-        failed = [r for r in fm.runs if r.variant == v.name and r.error is not None]
-        if v.error is not None:
+        failed = [
+            r
+            for r in fm.runs
+            if r.variant == v.name and r.error is not None and (v.name, r.scenario) not in skip
+        ]
+        if v.error is not None and failed:
             findings.append(
                 Finding(
                     CAUSE,

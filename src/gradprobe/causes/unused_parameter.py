@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import module_of, names, note_for
+from .common import Explained, module_of, names, note_for
 
 CAUSE = "unused-parameter"
 
 
-def detect(fm: FlowMap) -> list[Finding]:
+def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
     if not fm.variants:
         return []
     ref = fm.variants[0].name
@@ -17,7 +17,8 @@ def detect(fm: FlowMap) -> list[Finding]:
     if not ok or covered != set(fm.terms):
         return []  # some term was never measured successfully: cannot call anything unused
     reached = set().union(*(fm.reached(ref, s.name) for s in ok))
-    unused = [p for p in fm.trainable if p not in reached]
+    skip = explained.parameters if explained is not None else set()
+    unused = [p for p in fm.trainable if p not in reached and p not in skip]
     if not unused:
         return []
     notes = {p: n for p in unused if (n := note_for(p, fm.notes)) is not None}

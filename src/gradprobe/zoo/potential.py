@@ -50,7 +50,14 @@ def extend_coord(coord: Tensor, box: Tensor) -> tuple[Tensor, Tensor]:
 class Descriptor(nn.Module):
     """se_e2_a descriptor: D_i = T_i T_i[:axis]^T with T_i = G_i^T R_i / sel."""
 
-    def __init__(self, type_dim: int, embed_widths: tuple[int, int], axis: int, sel: int) -> None:
+    def __init__(
+        self,
+        type_dim: int,
+        embed_widths: tuple[int, int],
+        axis: int,
+        sel: int,
+        detach_embedding: bool = False,
+    ) -> None:
         super().__init__()
         if axis > embed_widths[1]:
             raise ValueError(f"axis={axis} must not exceed embed_widths[1]={embed_widths[1]}")
@@ -58,11 +65,14 @@ class Descriptor(nn.Module):
         self.embed2 = nn.Linear(embed_widths[0], embed_widths[1])
         self.axis = axis
         self.sel = sel
+        self.detach_embedding = detach_embedding
         self.dim = embed_widths[1] * axis
 
     def forward(self, env: Tensor, nei_tebd: Tensor) -> Tensor:
         """``env`` (nf, nloc, sel, 4), ``nei_tebd`` (nf, nloc, sel, type_dim) -> (nf, nloc, dim)."""
         g = torch.tanh(self.embed1(torch.cat([env[..., :1], nei_tebd], dim=-1)))
+        if self.detach_embedding:  # BUG switch (graph-break-in-model): cuts embed1 off every loss term
+            g = g.detach()
         g = torch.tanh(self.embed2(g))  # (nf, nloc, sel, M1)
         # Masked neighbours have env == 0, so their (meaningless) G rows drop out here.
         t = torch.einsum("fnsm,fnsk->fnmk", g, env) / self.sel  # (nf, nloc, M1, 4)
@@ -106,6 +116,9 @@ class ReferencePotential(nn.Module):
         fit_widths: tuple[int, int] = (24, 24),
         aux_dim: int = 2,
         ghost_force: str = "scatter",
+        detach_embedding: bool = False,
+        unsafe_distance: bool = False,
+        recreate_coords: bool = False,
     ) -> None:
         super().__init__()
         if ghost_force not in GHOST_FORCE_MODES:
@@ -114,8 +127,11 @@ class ReferencePotential(nn.Module):
             raise ValueError(f"need 0 < rcut_smooth < rcut, got rcut_smooth={rcut_smooth}, rcut={rcut}")
         self.ntypes, self.rcut, self.rcut_smooth, self.sel = ntypes, rcut, rcut_smooth, sel
         self.ghost_force = ghost_force
+        # Switches that inject known bugs (gradprobe.zoo.bugs); all off is the correct potential.
+        self.unsafe_distance = unsafe_distance
+        self.recreate_coords = recreate_coords
         self.type_embedding = nn.Embedding(ntypes, type_dim)
-        self.descriptor = Descriptor(type_dim, embed_widths, axis, sel)
+        self.descriptor = Descriptor(type_dim, embed_widths, axis, sel, detach_embedding)
         self.fitting = FittingNet(self.descriptor.dim + type_dim, fit_widths)
         # Constant per-type atomic energy (like DeePMD's bias_atom_e): it moves E but no force.
         self.energy_shift = nn.Parameter(-torch.arange(1, ntypes + 1, dtype=torch.get_default_dtype()))
@@ -170,8 +186,14 @@ class ReferencePotential(nn.Module):
         r2 = (rij * rij).sum(-1)
         # Masked slots may point at the centre atom itself (r = 0); a safe r = 1 keeps sqrt, the
         # division and their double backward finite, and the mask then zeroes them exactly.
-        r = torch.sqrt(torch.where(mask, r2, torch.ones_like(r2)))
-        s = self._switch(r) * mask.to(r.dtype)
+        if self.unsafe_distance:
+            # BUG switch (nonfinite-grad): sqrt(0) on masked slots; torch.where hides the inf in the
+            # forward, but its backward multiplies 0 by inf: NaN forces.
+            s = torch.where(mask, self._switch(torch.sqrt(r2)), torch.zeros_like(r2))
+            r = torch.where(mask, torch.sqrt(r2), torch.ones_like(r2))
+        else:
+            r = torch.sqrt(torch.where(mask, r2, torch.ones_like(r2)))
+            s = self._switch(r) * mask.to(r.dtype)
         env = torch.cat([s[..., None], s[..., None] * rij / r[..., None]], dim=-1) / self.env_std
         nei_type = torch.gather(torch.gather(atype, 1, mapping), 1, flat).reshape(nf, nloc, self.sel)
         d = self.descriptor(env, self.type_embedding(nei_type))
@@ -196,11 +218,16 @@ class ReferencePotential(nn.Module):
         ext_coord, mapping = extend_coord(coord, box)
         # As in DeePMD: forces are derivatives w.r.t. a fresh leaf, the extended coordinates.
         ext_coord = ext_coord.detach().requires_grad_(True)
-        nlist = self.neighbour_list(ext_coord, nloc)
-        atom_energy, aux = self._atomic(ext_coord, atype, mapping, nlist)
+        # BUG switch (requires-grad-placement): a "canonicalised" copy is what the model consumes, so
+        # the leaf that autograd.grad differentiates never enters the energy's graph.
+        consumed = ext_coord.detach().clone() if self.recreate_coords else ext_coord
+        nlist = self.neighbour_list(consumed, nloc)
+        atom_energy, aux = self._atomic(consumed, atype, mapping, nlist)
         energy = atom_energy.sum(-1)
         # DeePMD ties create_graph to training mode; in eval mode forces are therefore detached.
-        grad = torch.autograd.grad(energy.sum(), ext_coord, create_graph=self.training)[0]
+        grad = torch.autograd.grad(energy.sum(), ext_coord, create_graph=self.training, allow_unused=True)[0]
+        if grad is None:  # defensive code of the kind that makes the placement bug silent
+            grad = torch.zeros_like(ext_coord)
         ext_force = -grad
         if self.ghost_force == "scatter":  # fold image forces back onto their local atoms
             index = mapping[..., None].expand(-1, -1, 3)

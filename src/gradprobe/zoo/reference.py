@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from ..errors import SpecError, did_you_mean
 from ..spec import ProbeSpec
 from .data import make_batch
 from .loss import DEFAULT_PREFACTORS, Prefactors, mlip_loss
@@ -58,15 +59,33 @@ def reference_spec(
     nframes: int = 2,
     natoms: int = 8,
     prefactors: Prefactors = DEFAULT_PREFACTORS,
+    bug: str | None = None,
 ) -> ProbeSpec:
-    """A spec for the reference potential on synthetic periodic frames (terms energy, force, virial)."""
+    """A spec for the reference potential on synthetic periodic frames (terms energy, force, virial).
+
+    ``bug`` injects one known bug from ``gradprobe.zoo.bugs.BUGS`` (the spec then also names the
+    execution paths the "user" trains with); the detectors are never told which.
+    """
+    from .bugs import BUGS, register_lossy_backend
+
+    if bug is not None and bug not in BUGS:
+        raise SpecError(f"unknown zoo bug {bug!r}{did_you_mean(bug, BUGS)}; bugs are: {', '.join(BUGS)}")
+    injected = BUGS[bug] if bug is not None else None
+    if injected is not None and injected.model_family == "multitask":
+        from .multitask import multitask_spec
+
+        return multitask_spec(flags=True, dtype=dtype, device=device, variants=injected.variants, seed=seed)
+    switches = dict(injected.model or {}) if injected else {}
+    if injected is not None and injected.id == "backend-drops-grads":
+        register_lossy_backend()
+    mode = injected.mode if injected is not None and injected.mode != "terms" else mode
 
     def factory() -> ReferencePotential:
         # Deterministic weights without touching the caller's global RNG stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = ReferencePotential()
-        return model.to(device=device, dtype=dtype).train()
+            model = ReferencePotential(**switches)
+        return model.to(device=device, dtype=dtype).train(not (injected is not None and injected.eval_model))
 
     batches = [
         make_batch(nframes, natoms, seed=seed + k, dtype=dtype, device=device, with_virial=with_virial)
@@ -76,10 +95,10 @@ def reference_spec(
         nframes + 1, natoms + 2, seed=seed + 2, dtype=dtype, device=device, with_virial=with_virial
     )
     terms = ["energy", "force", "virial"] if with_virial else ["energy", "force"]
-    step = terms_step if mode == "terms" else weights_step
+    step: Any = functools.partial(terms_step if mode == "terms" else weights_step, prefactors=prefactors)
     return ProbeSpec(
         model=factory,
-        step=functools.partial(step, prefactors=prefactors),
+        step=step,
         batch=batches[0],
         second_batch=batches[1],
         other_shapes_batch=other,
@@ -89,5 +108,6 @@ def reference_spec(
         energy_fn=reference_energy,
         notes=REFERENCE_NOTES,
         seed=seed,
-        name="reference potential",
+        variants=injected.variants if injected is not None else None,
+        name="reference potential" + (f" with bug {bug}" if bug else ""),
     )

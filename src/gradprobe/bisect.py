@@ -1,0 +1,196 @@
+"""Bisection: from a variant that breaks the flow to the first knob whose flip restores it.
+
+Order, one flip at a time: the capture stage (``make_fx`` + compile → ``make_fx`` alone; a direct
+compile → eager), then — at the stage that breaks — detach handling, module mode, ``pre_dispatch``,
+``tracing_mode``, autocast; where the capture alone is fine, ``dynamic``/``fullgraph`` and then the
+backend ladder ``eager`` → ``aot_eager`` → ``aot_eager_decomp_partition`` (→ ``inductor``, or the
+variant's own backend). A backend is never blamed for what flipping detach handling fixes: the
+capture stage is tested first, and a compile ladder is only climbed on a capture that is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .variants import BACKENDS, VariantSpec, canonical_name
+
+# (ok, one-line result) for a variant measured on the failing scenarios.
+Check = Callable[[VariantSpec], tuple[bool, str]]
+
+LADDER = ("eager", "aot_eager", "aot_eager_decomp_partition")
+
+
+@dataclass
+class Bisection:
+    variant: str
+    scenarios: list[str]
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    culprit: dict[str, Any] | None = None
+    irrelevant: list[str] = field(default_factory=list)
+    stage: str = ""
+    fix: dict[str, Any] | None = None
+    summary: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant,
+            "scenarios": self.scenarios,
+            "trials": self.trials,
+            "culprit": self.culprit,
+            "irrelevant": self.irrelevant,
+            "stage": self.stage,
+            "fix": self.fix,
+            "summary": self.summary,
+        }
+
+
+def with_knobs(
+    v: VariantSpec, capture: str | None = None, backend: Any = "same", **changes: Any
+) -> VariantSpec:
+    """A copy of ``v`` with another capture/backend and knobs changed (``None`` value = default)."""
+    capture = capture or v.capture
+    backend = v.backend if backend == "same" else backend
+    knobs = {k: val for k, val in {**v.knobs, **changes}.items() if val is not None}
+    from .variants import COMPILE_KNOBS, MAKE_FX_KNOBS, STEP_KNOBS
+
+    allowed = dict(STEP_KNOBS)
+    if capture == "make_fx":
+        allowed.update(MAKE_FX_KNOBS)
+    if backend is not None:
+        allowed.update(COMPILE_KNOBS)
+    knobs = {k: val for k, val in knobs.items() if k in allowed and val != allowed[k][0]}
+    return VariantSpec(canonical_name(capture, backend, knobs), capture, backend, knobs)
+
+
+def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_training: bool) -> Bisection:
+    """Flip one knob at a time and name the first flip that restores the flow."""
+    b = Bisection(failing.name, scenarios)
+
+    def trial(knob: str, change: str, v: VariantSpec) -> bool:
+        ok, result = check(v)
+        b.trials.append({"knob": knob, "change": change, "variant": v.name, "ok": ok, "result": result})
+        return ok
+
+    base = failing
+    if failing.capture == "make_fx" and failing.compiled:
+        alone = with_knobs(failing, backend=None)
+        if trial("capture", f"{failing.name} → {alone.name} (no compile)", alone):
+            b.stage = "compile"
+            _ladder(b, failing, trial)
+            return _summarise(b, failing)
+        b.stage = "make_fx"
+        base = alone
+    elif failing.capture == "eager" and failing.compiled:
+        plain = with_knobs(failing, backend=None)
+        if trial("capture", f"{failing.name} → {plain.name} (no compile)", plain):
+            b.stage = "compile"
+            _ladder(b, failing, trial)
+            if b.culprit is not None:
+                # The pattern that works for second-order terms: trace, decompose detach, compile first order.
+                fix = with_knobs(failing, capture="make_fx", detach="alias")
+                b.fix = {"variant": fix.name, "ok": trial("fix", f"{failing.name} → {fix.name}", fix)}
+            return _summarise(b, failing)
+        b.stage = "eager"
+        base = plain
+    else:
+        b.stage = failing.capture
+
+    for knob, change, flipped in _flips(base, model_training):
+        if trial(knob, change, flipped):
+            if b.culprit is None:
+                b.culprit = {"knob": knob, "change": change}
+        else:
+            b.irrelevant.append(knob)
+    if b.culprit is not None and failing.compiled:
+        knob = b.culprit["knob"]
+        value = next(t["variant"] for t in b.trials if t["knob"] == knob)
+        fixed = with_knobs(failing, **_knob_values(value, knob))
+        b.fix = {"variant": fixed.name, "ok": trial("fix", f"{failing.name} → {fixed.name}", fixed)}
+    elif b.culprit is not None:
+        b.fix = {"variant": next(t["variant"] for t in b.trials if t["ok"]), "ok": True}
+    return _summarise(b, failing)
+
+
+def _knob_values(variant_name: str, knob: str) -> dict[str, Any]:
+    from .variants import parse_variant
+
+    return {knob: parse_variant(variant_name).knob(knob)}
+
+
+def _flips(base: VariantSpec, model_training: bool) -> list[tuple[str, str, VariantSpec]]:
+    flips = []
+    if base.capture == "make_fx" and base.knob("detach") == "keep":
+        flips.append(("detach", "detach=keep → alias", with_knobs(base, detach="alias")))
+    mode = base.knob("mode")
+    current = mode if mode != "as-is" else ("train" if model_training else "eval")
+    other = "eval" if current == "train" else "train"
+    flips.append(("mode", f"mode={current} → {other}", with_knobs(base, mode=other)))
+    if base.capture == "make_fx" and base.knob("pre_dispatch"):
+        flips.append(("pre_dispatch", "pre_dispatch=true → false", with_knobs(base, pre_dispatch=False)))
+    if base.capture == "make_fx" and base.knob("tracing_mode") == "symbolic":
+        flips.append(("tracing_mode", "tracing_mode=symbolic → real", with_knobs(base, tracing_mode="real")))
+    if base.knob("autocast") != "off":
+        flips.append(
+            ("autocast", f"autocast={base.knob('autocast')} → off", with_knobs(base, autocast="off"))
+        )
+    return flips
+
+
+def _ladder(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, VariantSpec], bool]) -> None:
+    """The capture is right: flip compile knobs, then climb the backend ladder to the first that breaks."""
+    for knob in ("dynamic", "fullgraph"):
+        if knob in failing.knobs:
+            flipped = with_knobs(failing, **{knob: None})
+            if trial(knob, f"{knob}={failing.knobs[knob]} → default", flipped):
+                b.culprit = {"knob": knob, "change": f"{knob}={failing.knobs[knob]} → default"}
+                return
+            b.irrelevant.append(knob)
+    ladder = list(LADDER) + (["inductor"] if failing.backend == "inductor" else [])
+    if failing.backend not in ladder:
+        ladder.append(failing.backend)  # a custom backend goes last
+    last_good = None
+    for backend in ladder:
+        v = with_knobs(failing, backend=backend)
+        if not trial("backend", f"backend → {backend}", v):
+            b.culprit = {"knob": "backend", "change": f"backend {last_good or '(none)'} → {backend}",
+                         "backend": backend, "last_good": last_good}  # fmt: skip
+            return
+        last_good = backend
+        if backend == failing.backend:
+            return
+
+
+def _summarise(b: Bisection, failing: VariantSpec) -> Bisection:
+    parts = []
+    capture = next((t for t in b.trials if t["knob"] == "capture"), None)
+    if capture is not None:
+        if b.stage == "compile":
+            parts.append(
+                f"without compile ({capture['variant']}) the flow is right: the break is in compilation"
+            )
+        else:
+            parts.append(f"{capture['variant']} alone already breaks it; the compile backend does not matter")
+    if b.culprit is not None:
+        if b.culprit["knob"] == "backend":
+            last = b.culprit.get("last_good")
+            parts.append(
+                f"first backend that breaks it: {b.culprit['backend']}"
+                + (f" (last good: {last})" if last else "")
+            )
+        else:
+            parts.append(f"flipping {b.culprit['change']} restores the flow")
+    elif b.trials:
+        parts.append("no single flip restores the flow")
+    if b.irrelevant:
+        parts.append(f"{', '.join(b.irrelevant)} does not matter here")
+    if b.fix is not None:
+        parts.append(
+            f"fix verified: {b.fix['variant']} {'matches' if b.fix['ok'] else 'still differs from'} the reference"
+        )
+    b.summary = "; ".join(parts)
+    return b
+
+
+__all__ = ["BACKENDS", "LADDER", "Bisection", "bisect", "with_knobs"]

@@ -1,0 +1,38 @@
+"""requires-grad-placement: the path differentiates a tensor the loss does not depend on (the coordinates
+were re-created after ``requires_grad_``), so coordinate-derived terms reach nothing."""
+
+from __future__ import annotations
+
+from ..flowmap import Finding, FlowMap
+from .common import failed_runs, names, runs_of, where
+
+CAUSE = "requires-grad-placement"
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    located = [b for b in fm.breaks if b.get("kind") == "autograd_grad_unused_input"]
+    if not located:
+        return []
+    b = located[0]
+    runs = []
+    for v in fm.variant_names:
+        failed = failed_runs(fm, v, lambda e: e.type == "NoGradPath")
+        empty = [s for s in fm.scenario_names if fm.run(v, s).error is None and fm.count(v, s)[0] == 0]
+        runs += runs_of(v, failed + empty)
+    if not runs:
+        return []
+    scen = sorted({s for _, s in runs})
+    return [
+        Finding(
+            CAUSE,
+            "error",
+            f"{', '.join(scen)}: the terms derived from that gradient reach no parameter: autograd.grad at "
+            f"{where(b)} differentiates a tensor the energy does not depend on (its gradient is None: the tensor "
+            "that got requires_grad_ is re-created before the model uses it)"
+            + (f"; cut parameters: {names(b.get('parameters') or [])}" if b.get("parameters") else ""),
+            evidence={"runs": runs, "break": b},
+            location=b,
+            fix="differentiate the tensor the model actually consumes: set requires_grad_ after preprocessing "
+            "(canonicalisation, dtype/device copies), inside the traced region; never replace a None gradient by zeros",
+        )
+    ]

@@ -1,0 +1,65 @@
+"""Lint of a traced FX graph: facts a traced variant's diagnosis needs, with source lines.
+
+``make_fx`` is run by gradprobe with ``record_stack_traces=True`` and ``record_module_stack=True``, so
+nodes map back to module and source line; for graphs gradprobe did not trace, node names suffice.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
+
+
+def _user_frame(stack_trace: str | None) -> dict[str, Any] | None:
+    """The innermost frame of a node's stack trace that is not torch's or gradprobe's own machinery."""
+    if not stack_trace:
+        return None
+    frames = [m.groupdict() for m in _FRAME.finditer(stack_trace)]
+    for f in reversed(frames):
+        path = f["file"].replace("\\", "/")
+        if "/torch/" in path or ("/gradprobe/" in path and "/gradprobe/zoo/" not in path):
+            continue
+        return {"file": f["file"], "line": int(f["line"]), "function": f["func"], "code": f["code"].strip()}
+    return None
+
+
+def _describe(node: torch.fx.Node) -> dict[str, Any]:
+    where = _user_frame(node.meta.get("stack_trace")) or {}
+    target = node.target
+    return {"node": node.name, "op": getattr(target, "__name__", str(target)), **where}
+
+
+def lint(gm: torch.fx.GraphModule, n_params: int = 0) -> dict[str, Any]:
+    """Detach nodes that cut a parameter's gradient path: ``make_fx`` records ``detach`` on tensors
+    saved for backward, which cuts second-order gradients (PyTorch #175477). The first ``n_params``
+    placeholders are the parameters; a detach whose input does not depend on them (coordinates,
+    indices) is harmless and not counted. Reports the first one's node, the producing op of the saved
+    tensor and its source line, and the node count."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    depends: set[torch.fx.Node] = set(placeholders[:n_params])
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and any(a in depends for a in n.all_input_nodes):
+            depends.add(n)
+    detach = [
+        n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.detach.default
+    ]
+    cutting = [n for n in detach if n.args and n.args[0] in depends]
+    first = None
+    if cutting:
+        n = cutting[0]
+        producer = n.args[0]
+        first = {
+            **_describe(n),
+            "saved": _describe(producer) if isinstance(producer, torch.fx.Node) else None,
+        }
+    return {
+        "nodes": len(gm.graph.nodes),
+        "detach_nodes": len(detach),
+        "cutting_detach_nodes": len(cutting),
+        "detach_node_names": [n.name for n in cutting[:20]],
+        "first_detach": first,
+    }
