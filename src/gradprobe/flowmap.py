@@ -130,6 +130,7 @@ class FlowMap:
     warnings: tuple[str, ...] = ()
     bisections: tuple[dict[str, Any], ...] = ()  # bisect.Bisection.to_dict() per failing variant
     breaks: tuple[dict[str, Any], ...] = ()  # locate.Break.to_dict(): where chains break in the model
+    checks: dict[str, Any] = field(default_factory=dict)  # verification results by check name (checks.py)
     schema: str = SCHEMA
 
     # ----- queries -------------------------------------------------------------------------------
@@ -225,6 +226,7 @@ class FlowMap:
             "warnings": list(self.warnings),
             "bisections": list(self.bisections),
             "breaks": list(self.breaks),
+            "checks": dict(self.checks),
         }
         return _json_safe(d)
 
@@ -326,6 +328,7 @@ class FlowMap:
                 warnings=tuple(str(w) for w in d.get("warnings") or ()),
                 bisections=tuple(dict(b) for b in d.get("bisections") or ()),
                 breaks=tuple(dict(b) for b in d.get("breaks") or ()),
+                checks=dict(d.get("checks") or {}),
             )
         except FlowMapFormatError:
             raise
