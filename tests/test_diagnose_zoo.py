@@ -9,11 +9,14 @@ import os
 import pytest
 
 import gradprobe
-from gradprobe.zoo import reference_spec
+
+diagnosed = None
 
 
-def diagnosed(bug=None, variants=None):
-    return gradprobe.probe(reference_spec(bug=bug), variants=variants, diagnose=True)
+@pytest.fixture(autouse=True)
+def _maps(zoo_map):
+    global diagnosed
+    diagnosed = zoo_map
 
 
 def errors(fm):

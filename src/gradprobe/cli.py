@@ -40,11 +40,17 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--all", action="store_true", help="show every parameter in the diff, not only what differs"
     )
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
+    _report_options(p)
     p.add_argument(
         "--diagnose",
         action="store_true",
         help="bisect failing variants' knobs and locate the break in the model (extra traces and compiles)",
     )
+
+
+def _report_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report to PATH")
+    p.add_argument("--markdown", metavar="PATH", help="write a Markdown report (for a PR comment) to PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     run.add_argument("--device", help="passed to FUNCTION as device= if it takes one")
     run.add_argument("--dtype", choices=DTYPES, help="passed to FUNCTION as dtype= if it takes one")
+
+    report = sub.add_parser(
+        "report",
+        help="render a saved flow map (terminal, or --html / --markdown files); exit 0/1 by findings",
+    )
+    report.add_argument("flowmap", metavar="FLOW.json", help="a flow map written with --json")
+    _report_options(report)
+    report.add_argument("--all", action="store_true", help="show every parameter in the terminal diff")
+
+    diff = sub.add_parser("diff", help="compare two saved flow maps; exit 1 if the flow changed, 0 if not")
+    diff.add_argument("before", metavar="A.json")
+    diff.add_argument("after", metavar="B.json")
+    diff.add_argument(
+        "--norm-rtol",
+        type=float,
+        metavar="X",
+        help="report norms that moved by more than X (relative) as info (default: the maps' rtol; 0: off)",
+    )
     return parser
 
 
@@ -124,17 +148,67 @@ def _dtype(name: str | None) -> Any:
     return None if name is None else getattr(torch, name)
 
 
-def _report(fm: FlowMap, json_path: str | None, show_all: bool) -> int:
+def _report(
+    fm: FlowMap,
+    json_path: str | None,
+    show_all: bool,
+    html_path: str | None = None,
+    markdown_path: str | None = None,
+) -> int:
     sys.stdout.write(render(fm, show_all=show_all))
     if json_path:
         fm.to_json(json_path)
         sys.stdout.write(f"\nflow map written to {json_path}\n")
+    _write_reports(fm, html_path, markdown_path)
     return fm.exit_code
+
+
+def _write_reports(fm: FlowMap, html_path: str | None, markdown_path: str | None) -> None:
+    """Write the HTML and Markdown reports that were asked for, saying where."""
+    from .report.html import render_html
+    from .report.markdown import render_markdown
+
+    for path, renderer, kind in (
+        (html_path, render_html, "HTML"),
+        (markdown_path, render_markdown, "Markdown"),
+    ):
+        if not path:
+            continue
+        try:
+            Path(path).write_text(renderer(fm), encoding="utf-8")
+        except OSError as e:
+            raise GradProbeError(f"cannot write the {kind} report to {path!r}: {e.strerror}") from None
+        sys.stdout.write(f"{kind} report written to {path}\n")
+
+
+def _report_saved(args: argparse.Namespace) -> int:
+    """``gradprobe report``: the terminal report, or the files asked for; exit status by findings."""
+    fm = FlowMap.from_json(Path(args.flowmap))
+    if args.html or args.markdown:
+        _write_reports(fm, args.html, args.markdown)
+    else:
+        sys.stdout.write(render(fm, show_all=args.all))
+    return fm.exit_code
+
+
+def _diff_saved(args: argparse.Namespace) -> int:
+    """``gradprobe diff``: what changed between two flow maps; 1 if the flow changed, else 0."""
+    from .flowdiff import diff_maps
+
+    d = diff_maps(
+        FlowMap.from_json(Path(args.before)), FlowMap.from_json(Path(args.after)), norm_rtol=args.norm_rtol
+    )
+    sys.stdout.write(d.render())
+    return EXIT_FINDINGS if d.changed else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "report":
+            return _report_saved(args)
+        if args.command == "diff":
+            return _diff_saved(args)
         from .probe import probe
 
         diagnose = args.diagnose
@@ -159,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
         fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose)
-        return _report(fm, args.json, args.all)
+        return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:
         sys.stderr.write(f"gradprobe: error: {e}\n")
         return EXIT_USAGE

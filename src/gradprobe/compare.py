@@ -94,3 +94,48 @@ def verdict(ref_status: str, status: str, rel_error: float | None, rtol: float) 
     if reached and rel_error is not None and not rel_error <= rtol:
         return WRONG
     return MATCH
+
+
+# Consistency (allclose) tolerances by dtype: float64 reaches 1e-10 between correct paths.
+CONSISTENCY_TOL = {
+    "float64": (1e-10, 1e-10),
+    "float32": (1e-5, 1e-6),
+    "bfloat16": (2e-2, 1e-3),
+    "float16": (5e-3, 1e-4),
+}
+
+
+def consistency_tolerance(dtype: str) -> tuple[float, float]:
+    """(rtol, atol) for the allclose-style consistency check."""
+    return CONSISTENCY_TOL.get(dtype, (1e-5, 1e-6))
+
+
+def allclose_excess(
+    grads: Sequence[torch.Tensor | None], reference: Sequence[torch.Tensor | None], rtol: float
+) -> list[float | None]:
+    """Per parameter, ``max(|g - r| - rtol * |r|)`` over elements (``<= atol`` means allclose); a missing
+    gradient counts as zeros, None where both are missing. Batched, one host sync per device."""
+    out: list[float | None] = [None] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (g, r) in enumerate(zip(grads, reference, strict=True)):
+        t = g if g is not None else r
+        if t is not None:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for idx in groups.values():
+        diffs, scaled = [], []
+        for i in idx:
+            g, r = grads[i], reference[i]
+            g = _dense(g) if g is not None else torch.zeros_like(_dense(r))  # type: ignore[arg-type]
+            r = _dense(r) if r is not None else torch.zeros_like(g)
+            diffs.append(g - r)
+            scaled.append(r)
+        torch._foreach_abs_(diffs)
+        scaled = torch._foreach_abs(scaled)
+        torch._foreach_mul_(scaled, rtol)
+        torch._foreach_sub_(diffs, scaled)
+        worst = (
+            torch.stack([d.max() if d.numel() else d.new_zeros(()) for d in diffs]).double().cpu().tolist()
+        )
+        for i, w in zip(idx, worst, strict=True):
+            out[i] = w
+    return out

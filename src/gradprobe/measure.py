@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .compare import relative_errors
+from .compare import allclose_excess, relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .scenarios import Scenario
@@ -43,6 +43,7 @@ class Measurement:
     rel_errors: list[float | None] | None = None  # against the reference, when one was given
     grads: Grads | None = None  # kept only for the reference variant (one copy of the gradients)
     compiled_graphs: int | None = None  # graphs the backend compiled during this run (0 = no recompile)
+    excess: list[float | None] | None = None  # max(|g - g_ref| - rtol |g_ref|) per parameter (consistency)
 
 
 def run_error(stage: str, e: BaseException) -> RunError:
@@ -213,6 +214,7 @@ def per_scenario(
     keep: bool = False,
     reference: Mapping[str, Measurement] | None = None,
     counter: Any = None,
+    consistency_rtol: float = 1e-10,
 ) -> list[Measurement]:
     """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors.
 
@@ -259,6 +261,7 @@ def per_scenario(
                     ref = reference.get(s.name) if reference is not None else None
                     if ref is not None and ref.grads is not None and ref.norms is not None:
                         m.rel_errors = relative_errors(grads, ref.grads, ref.norms)
+                        m.excess = allclose_excess(grads, ref.grads, consistency_rtol)
                     if keep:
                         m.grads = grads
                     del grads

@@ -12,9 +12,10 @@ import torch
 from . import __version__
 from .batch import check_devices, with_differentiable_inputs
 from .build import Built, VariantContext, build
-from .compare import tolerance, verdict
+from .checks import consistency_report, physics_check, training_check
+from .compare import consistency_tolerance, tolerance, verdict
 from .diagnose import diagnose
-from .errors import SpecError
+from .errors import SpecError, did_you_mean
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
 from .graphlint import lint
 from .measure import Measurement, per_scenario, per_term
@@ -33,6 +34,7 @@ def probe(
     variants: str | Sequence[str | VariantSpec] | None = None,
     reference: str | None = None,
     diagnose: bool = False,
+    checks: Sequence[str] = (),
     **spec_fields: Any,
 ) -> FlowMap:
     """Measure which parameters each loss term reaches, alone and all together, in each variant.
@@ -42,8 +44,12 @@ def probe(
     ``"eager,make_fx,compile:aot_eager"`` (default: the spec's ``variants``, else ``"eager"``); every
     variant's gradients are compared value by value with the ``reference`` variant (default: the first).
     ``diagnose=True`` also bisects each failing variant's knobs and locates where chains break in the
-    model (extra traces and compiles), so findings can name the cause, the place and a verified fix. Returns the flow map; the model's parameters,
-    ``.grad``, ``requires_grad`` flags, train/eval modes, buffers and RNG state are as they were.
+    model (extra traces and compiles), so findings can name the cause, the place and a verified fix.
+    ``checks`` adds verification: ``"physics"`` (forces and virial against finite differences of
+    ``spec.energy_fn``), ``"shapes"`` (traced variants on ``spec.other_shapes_batch``), ``"training"``
+    (a few optimizer steps per term on a copy); value consistency between variants is always checked.
+    Returns the flow map; the model's parameters, ``.grad``, ``requires_grad`` flags, train/eval
+    modes, buffers and RNG state are as they were.
 
     >>> import torch
     >>> model = torch.nn.Linear(2, 1)
@@ -60,7 +66,9 @@ def probe(
         spec = model
     else:
         spec = ProbeSpec(model=model, step=step, batch=batch, **spec_fields)
-    return run_probe(spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose)
+    return run_probe(
+        spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose, tuple(checks)
+    )
 
 
 @dataclass
@@ -70,12 +78,19 @@ class _Measured:
     results: list[Measurement]
 
 
+CHECKS = ("physics", "shapes", "training")
+
+
 def _is_plain_eager(v: VariantSpec) -> bool:
     return v.capture == "eager" and v.backend is None and not v.knobs
 
 
 def run_probe(
-    spec: ProbeSpec, variants: Sequence[VariantSpec], reference: str | None = None, diagnose_: bool = False
+    spec: ProbeSpec,
+    variants: Sequence[VariantSpec],
+    reference: str | None = None,
+    diagnose_: bool = False,
+    checks: tuple[str, ...] = (),
 ) -> FlowMap:
     model = resolve_model(spec)
     named = list(model.named_parameters())
@@ -109,6 +124,12 @@ def run_probe(
     bisections: list[dict[str, Any]] = []
     breaks: list[dict[str, Any]] = []
     model_training = model.training
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        raise SpecError(
+            f"unknown check {unknown[0]!r}{did_you_mean(unknown[0], CHECKS)}; checks are: {', '.join(CHECKS)}"
+        )
+    results_of_checks: dict[str, Any] = {}
     with preserved(model), torch.enable_grad():
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
@@ -147,6 +168,7 @@ def run_probe(
                         params, scenarios, terms, spec.seed, keep=is_ref,
                         reference=None if is_ref else ref_results,
                         counter=counter,
+                        consistency_rtol=consistency_tolerance(dtype)[0],
                     )  # fmt: skip
             if is_ref:
                 ref_results = {m.scenario: m for m in results}
@@ -165,10 +187,39 @@ def run_probe(
                 else None,
             )
             measured.append(_Measured(variant, info, results))
-        second = _second_batch(spec, model, params, mode, terms, scenarios, measured, builds, ref_name)
-        for m in measured:
-            if m.info.name in second:
-                m.info = replace(m.info, second_batch=second[m.info.name])
+        if spec.second_batch is not None:
+            second = _compare_on(
+                spec.second_batch, spec, model, params, mode, terms, scenarios, measured, builds, ref_name
+            )
+            for m in measured:
+                if m.info.name in second:
+                    m.info = replace(m.info, second_batch=second[m.info.name])
+        trainable_names = [n for n, _ in trainable]
+        if len(measured) > 1:
+            results_of_checks["consistency"] = consistency_report(
+                trainable_names, measured, ref_results, ref_name, dtype
+            )
+        if "shapes" in checks:
+            if spec.other_shapes_batch is None:
+                raise SpecError("the shape sweep needs spec.other_shapes_batch (a batch of other sizes)")
+            results_of_checks["shape_sweep"] = _compare_on(
+                spec.other_shapes_batch,
+                spec,
+                model,
+                params,
+                mode,
+                terms,
+                scenarios,
+                measured,
+                builds,
+                ref_name,
+            )
+        if "physics" in checks:
+            results_of_checks["physics"] = physics_check(spec, model, spec.batch)
+        if "training" in checks:
+            results_of_checks["training"] = training_check(
+                spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
+            )
         if diagnose_:
             from .diagnosis import bisect_failing, locate_in_model
 
@@ -194,7 +245,7 @@ def run_probe(
                 r.grads = None
 
     fm = _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
-    fm = replace(fm, bisections=tuple(bisections), breaks=tuple(breaks))
+    fm = replace(fm, bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks)
     return replace(fm, findings=tuple(diagnose(fm)))
 
 
@@ -219,7 +270,8 @@ def _graph_breaks() -> int:
     return sum(utils.counters["graph_break"].values()) if utils is not None else 0
 
 
-def _second_batch(
+def _compare_on(
+    batch2: Any,
     spec: ProbeSpec,
     model: torch.nn.Module,
     params: list[torch.Tensor],
@@ -230,16 +282,17 @@ def _second_batch(
     builds: dict[str, Built],
     ref_name: str,
 ) -> dict[str, dict[str, Any]]:
-    """Re-measure traced variants on a second batch of the same shapes, against eager on that batch.
+    """Re-measure traced variants on another batch, against eager on that batch.
 
-    A trace can freeze trace-time tensors (``pre_dispatch=True`` does) and still look exact on the
-    batch it was traced on. One scenario suffices: the one with the most terms among those that ran on
-    the first batch. Term values are compared too: stale forces show in the force term's value even
-    where no gradient can be taken.
+    On a second batch of the same shapes: a trace can freeze trace-time tensors (``pre_dispatch=True``
+    does) and still look exact on the batch it was traced on. On a batch of other shapes: traced and
+    compiled graphs can lock onto the first batch's shapes. One scenario suffices: the one with the
+    most terms among those that ran on the first batch. Term values are compared too: stale forces
+    show in the force term's value even where no gradient can be taken.
     """
-    if spec.second_batch is None or not scenarios:
+    if not scenarios:
         return {}
-    batch2 = with_differentiable_inputs(spec.second_batch, spec.differentiable_inputs)
+    batch2 = with_differentiable_inputs(batch2, spec.differentiable_inputs)
     first = params[0]
     if mode == "terms":
         ctx = VariantContext(model, spec.step, mode, terms, batch2, make_weights(terms, terms, first))

@@ -40,8 +40,12 @@ class ProbeSpec:
             trace-time tensors).
         other_shapes_batch: a batch of other shapes (catches graphs locked onto the first shapes).
         optimizer: an optimizer, or a factory ``params -> optimizer``, for training checks.
-        energy_fn: ``energy_fn(model, batch, coord) -> energies``, a differentiable function of
-            coordinates, for physics checks of potentials.
+        energy_fn: ``energy_fn(model, batch) -> energies`` (one per frame), a plain function of the
+            batch's coordinates (``batch[coord_key]``) and cell (``batch[box_key]``), for physics checks.
+        predict: ``predict(model, batch) -> {"force": ..., "virial": ...}``, the model's own forces
+            (and virial), checked against finite differences of ``energy_fn``.
+        coord_key, box_key: where the coordinates ``(nframes, natoms, 3)`` and cells ``(nframes, 3, 3)``
+            are in a dict batch (``box_key=None``: not periodic, no virial check).
         differentiable_inputs: batch keys that the probe clones and marks ``requires_grad_`` before each
             run (for steps that expect the caller to do it). The user's batch is never modified.
         notes: ``{parameter name or prefix: why it may legitimately get no gradient}``; shown in the
@@ -63,6 +67,9 @@ class ProbeSpec:
     other_shapes_batch: Any = None
     optimizer: Any = None
     energy_fn: Callable[..., torch.Tensor] | None = None
+    predict: Callable[..., Mapping[str, torch.Tensor]] | None = None
+    coord_key: str = "coord"
+    box_key: str | None = "box"
     differentiable_inputs: Sequence[str] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
     seed: int = 0

@@ -15,13 +15,16 @@ from . import (
     backend_drops,
     double_backward,
     flow_mismatch,
+    ghost_force_slice,
     graph_break_in_model,
     makefx_detach,
     nonfinite_grad,
+    norm_mismatch,
     recompile_per_scenario,
     requires_grad_placement,
     run_failed,
     second_batch,
+    shape_locked,
     trace_eval_mode,
     unused_parameter,
 )
@@ -37,6 +40,9 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
     recompile_per_scenario.detect,
     nonfinite_grad.detect,
     second_batch.detect,
+    ghost_force_slice.detect,
+    norm_mismatch.detect,
+    shape_locked.detect,
 )
 GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
     run_failed.detect,

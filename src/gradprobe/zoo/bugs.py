@@ -74,6 +74,12 @@ BUGS: dict[str, ZooBug] = {
             model={"unsafe_distance": True},
         ),
         ZooBug(
+            "norm-mismatch",
+            "the user's own trainer path (a registered variant) computes the virial loss without the "
+            "per-atom normalisation",
+            variants="eager,zoo-trainer",
+        ),
+        ZooBug(
             "ghost-force-slice",
             "forces on periodic images are sliced away instead of scatter-summed onto their local atoms",
             model={"ghost_force": "slice"},
@@ -103,3 +109,25 @@ def register_lossy_backend() -> None:
         return aot_eager(gm, example_inputs)
 
     register_backend(name=LOSSY_BACKEND)(zoo_lossy)
+
+
+TRAINER_VARIANT = "zoo-trainer"
+
+
+def register_norm_trainer() -> None:
+    """Register ``zoo-trainer``: a trainer with its own loss code, virial not normalised per atom."""
+    from ..variants import register_variant
+    from .loss import DEFAULT_PREFACTORS, mlip_loss
+
+    def build_trainer(ctx: Any) -> Any:
+        model = ctx.model
+
+        def run(batch: Any, weights: Any) -> Any:
+            pred = model(batch["coord"], batch["atype"], batch["box"])
+            terms = mlip_loss(pred, batch, DEFAULT_PREFACTORS, virial_per_atom=False)  # BUG
+            total = sum(weights[name] * value for name, value in terms.items())
+            return total, terms
+
+        return run
+
+    register_variant(TRAINER_VARIANT, build_trainer)

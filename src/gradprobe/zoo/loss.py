@@ -20,7 +20,11 @@ DEFAULT_PREFACTORS = Prefactors()
 
 
 def mlip_loss(
-    pred: dict[str, Tensor], batch: dict[str, Tensor], prefactors: Prefactors = DEFAULT_PREFACTORS
+    pred: dict[str, Tensor],
+    batch: dict[str, Tensor],
+    prefactors: Prefactors = DEFAULT_PREFACTORS,
+    *,
+    virial_per_atom: bool = True,
 ) -> dict[str, Tensor]:
     """Loss terms ``energy``, ``force`` and (when the batch has labels) ``virial``, prefactors applied.
 
@@ -33,5 +37,7 @@ def mlip_loss(
         "force": prefactors.force * ((pred["force"] - batch["force"]) ** 2).mean(),
     }
     if "virial" in batch:
-        terms["virial"] = prefactors.virial * (((pred["virial"] - batch["virial"]) / natoms) ** 2).mean()
+        # virial_per_atom=False is the norm-mismatch bug of gradprobe.zoo.bugs (a trainer that forgets it).
+        scale = natoms if virial_per_atom else 1
+        terms["virial"] = prefactors.virial * (((pred["virial"] - batch["virial"]) / scale) ** 2).mean()
     return terms

@@ -42,11 +42,14 @@ def weights_step(
     return total, terms
 
 
-def reference_energy(
-    model: ReferencePotential, batch: dict[str, torch.Tensor], coord: torch.Tensor
-) -> torch.Tensor:
-    """Energies as a differentiable function of coordinates (for physics checks)."""
-    return model.energy(coord, batch["atype"], batch["box"])
+def reference_energy(model: ReferencePotential, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Energies as a plain function of the batch's coordinates and cells (for physics checks)."""
+    return model.energy(batch["coord"], batch["atype"], batch["box"])
+
+
+def reference_predict(model: ReferencePotential, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's own energy, forces and virial (what the physics checks test)."""
+    return model(batch["coord"], batch["atype"], batch["box"])
 
 
 def reference_spec(
@@ -66,7 +69,7 @@ def reference_spec(
     ``bug`` injects one known bug from ``gradprobe.zoo.bugs.BUGS`` (the spec then also names the
     execution paths the "user" trains with); the detectors are never told which.
     """
-    from .bugs import BUGS, register_lossy_backend
+    from .bugs import BUGS, register_lossy_backend, register_norm_trainer
 
     if bug is not None and bug not in BUGS:
         raise SpecError(f"unknown zoo bug {bug!r}{did_you_mean(bug, BUGS)}; bugs are: {', '.join(BUGS)}")
@@ -78,6 +81,8 @@ def reference_spec(
     switches = dict(injected.model or {}) if injected else {}
     if injected is not None and injected.id == "backend-drops-grads":
         register_lossy_backend()
+    if injected is not None and injected.id == "norm-mismatch":
+        register_norm_trainer()
     mode = injected.mode if injected is not None and injected.mode != "terms" else mode
 
     def factory() -> ReferencePotential:
@@ -106,6 +111,7 @@ def reference_spec(
         mode=mode,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
         energy_fn=reference_energy,
+        predict=reference_predict,
         notes=REFERENCE_NOTES,
         seed=seed,
         variants=injected.variants if injected is not None else None,

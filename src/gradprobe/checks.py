@@ -1,0 +1,281 @@
+"""Verification: the checks that say a fix is done.
+
+* ``consistency_report``: every variant's gradients and term values against the reference, allclose
+  per element (float64 reaches 1e-10), worst offenders by name — from the probe's own measurements.
+* ``physics_check``: for potentials, forces against minus central finite differences of the energy,
+  the force sum rule, and the virial against the strain derivative (and its symmetry). Catches ghost
+  forces sliced instead of scatter-summed, which leave gradient counts unchanged.
+* ``training_check``: a few optimizer steps per variant and term on a deep copy; does each term's loss
+  go down, and do compiled trajectories follow eager's?
+
+Shape sweeps (other batch shapes) are measured in ``probe.py`` next to the second-batch check.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .build import VariantContext, build
+from .compare import consistency_tolerance
+from .errors import SpecError
+from .measure import run_error
+from .scenarios import Scenario
+from .spec import ProbeSpec
+from .state import reseed
+from .step import check_total, make_weights
+from .variants import VariantSpec
+
+# Physics tolerances (float64): relative to the force / virial scale.
+FORCE_RTOL = 1e-6
+SUM_RULE_RTOL = 1e-8
+VIRIAL_RTOL = 1e-6
+
+
+def consistency_report(
+    names: Sequence[str], measured: Sequence[Any], reference: Mapping[str, Any], ref_name: str, dtype: str
+) -> dict[str, Any]:
+    """Allclose of each variant's gradients and term values against the reference, per scenario."""
+    rtol, atol = consistency_tolerance(dtype)
+    out: dict[str, Any] = {"rtol": rtol, "atol": atol, "variants": {}}
+    for x in measured:
+        if x.info.name == ref_name:
+            continue
+        failed: list[dict[str, Any]] = []
+        terms: list[dict[str, Any]] = []
+        checked = 0
+        for m in x.results:
+            ref = reference.get(m.scenario)
+            if m.error is not None or ref is None or ref.error is not None:
+                continue
+            for name, e in zip(names, m.excess or [], strict=False):
+                if e is None:
+                    continue
+                checked += 1
+                if not e <= atol:
+                    failed.append({"scenario": m.scenario, "parameter": name, "excess": e})
+            for t, v in m.term_values.items():
+                r = ref.term_values.get(t)
+                if v is not None and r is not None and not abs(v - r) <= atol + rtol * abs(r):
+                    terms.append({"scenario": m.scenario, "term": t, "value": v, "reference": r})
+        failed.sort(key=lambda f: -f["excess"] if f["excess"] == f["excess"] else -math.inf)
+        runs_failed = sum(m.error is not None for m in x.results)
+        out["variants"][x.info.name] = {
+            "passed": not failed and not terms and runs_failed == 0 and checked > 0,
+            "checked_cells": checked,
+            "failed_cells": len(failed),
+            "worst": failed[:10],
+            "terms": terms[:10],
+            "runs_failed": runs_failed,
+        }
+    return out
+
+
+def _float64_copy(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A float64 deep copy of the model and batch: finite differences need the precision, and the
+    user's model is never touched."""
+    model64 = copy.deepcopy(model).double()
+    batch64 = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in batch.items()
+    }
+    return model64, batch64
+
+
+def physics_check(
+    spec: ProbeSpec, model: torch.nn.Module, batch: Any, *, samples: int = 8, h: float = 1e-5, seed: int = 0
+) -> dict[str, Any]:
+    """Forces vs -dE/dx (central differences on a sample of atoms and directions), the force sum rule,
+    and the virial vs the strain derivative of the energy, all in float64 on a copy of the model."""
+    if spec.energy_fn is None or spec.predict is None:
+        raise SpecError("the physics check needs spec.energy_fn and spec.predict (the model's forces)")
+    if not isinstance(batch, Mapping) or spec.coord_key not in batch:
+        raise SpecError(f"the physics check needs a dict batch with coordinates under {spec.coord_key!r}")
+    model64, b = _float64_copy(model, batch)
+    coord = b[spec.coord_key]
+    with torch.enable_grad():
+        pred = spec.predict(model64, b)
+    force = pred["force"].detach()
+    nf, natoms, _ = force.shape
+
+    def energy(**changes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return spec.energy_fn(model64, {**b, **changes}).detach()  # type: ignore[misc]
+
+    g = torch.Generator().manual_seed(seed)
+    picks = [(int(torch.randint(nf, (1,), generator=g)), int(torch.randint(natoms, (1,), generator=g)),
+              int(torch.randint(3, (1,), generator=g))) for _ in range(samples)]  # fmt: skip
+    worst = {"abs_error": 0.0}
+    errors = []
+    for f, i, d in picks:
+        step = torch.zeros_like(coord)
+        step[f, i, d] = h
+        fd = -(energy(**{spec.coord_key: coord + step})[f] - energy(**{spec.coord_key: coord - step})[f]) / (
+            2 * h
+        )
+        err = abs(float(force[f, i, d] - fd))
+        errors.append(err)
+        if err >= worst["abs_error"]:
+            worst = {"frame": f, "atom": i, "direction": "xyz"[d], "force": float(force[f, i, d]),
+                     "finite_difference": float(fd), "abs_error": err}  # fmt: skip
+    scale = float(force.abs().max()) or 1.0
+    result: dict[str, Any] = {
+        "samples": samples,
+        "force": {
+            "max_abs_error": max(errors),
+            "max_rel_error": max(errors) / scale,
+            "scale": scale,
+            "worst": worst,
+        },
+    }
+    residual = force.sum(dim=1).abs().max().item()
+    result["sum_rule"] = {
+        "max_residual": residual,
+        "relative": residual / (force.abs().mean().item() * natoms or 1.0),
+    }
+    failures = []
+    if result["force"]["max_rel_error"] > FORCE_RTOL:
+        failures.append(
+            f"forces differ from -dE/dx by up to {result['force']['max_rel_error']:.2g} of the force scale "
+            f"(frame {worst['frame']}, atom {worst['atom']}, {worst['direction']}: {worst['force']:.6g} vs "
+            f"{worst['finite_difference']:.6g})"
+        )
+    if result["sum_rule"]["relative"] > SUM_RULE_RTOL:
+        failures.append(
+            f"forces do not sum to zero: residual {residual:.3g} ({result['sum_rule']['relative']:.2g} relative)"
+        )
+    if spec.box_key is not None and spec.box_key in b and "virial" in pred:
+        result["virial"] = _virial(pred["virial"].detach(), energy, coord, b[spec.box_key], spec, h)
+        if result["virial"]["max_rel_error"] > VIRIAL_RTOL:
+            failures.append(
+                f"virial differs from the strain derivative by {result['virial']['max_rel_error']:.2g}"
+            )
+    result["failures"] = failures
+    result["passed"] = not failures
+    return result
+
+
+def _virial(virial: torch.Tensor, energy: Any, coord: torch.Tensor, box: torch.Tensor, spec: ProbeSpec,
+            h: float) -> dict[str, Any]:  # fmt: skip
+    """-dE/d(strain) by central differences; coordinates and cell deformed together: x' = x (I + e)^T."""
+    fd = torch.zeros_like(virial)
+    for a in range(3):
+        for c in range(3):
+            eps = torch.zeros(3, 3, dtype=coord.dtype)
+            eps[a, c] = h
+            plus, minus = torch.eye(3, dtype=coord.dtype) + eps, torch.eye(3, dtype=coord.dtype) - eps
+            e_plus = energy(**{spec.coord_key: coord @ plus.T, spec.box_key: box @ plus.T})  # type: ignore[dict-item]
+            e_minus = energy(**{spec.coord_key: coord @ minus.T, spec.box_key: box @ minus.T})  # type: ignore[dict-item]
+            fd[:, c, a] = -(e_plus - e_minus) / (2 * h)  # virial_ca = sum_i x_c F_a = -dE/de_ac
+    scale = float(fd.abs().max()) or 1.0
+    return {
+        "max_abs_error": float((virial - fd).abs().max()),
+        "max_rel_error": float((virial - fd).abs().max()) / scale,
+        "asymmetry": float((virial - virial.transpose(-1, -2)).abs().max()) / scale,
+    }
+
+
+def training_check(
+    spec: ProbeSpec,
+    model: torch.nn.Module,
+    variants: Sequence[VariantSpec],
+    mode: str,
+    terms: Sequence[str],
+    scenarios: Sequence[Scenario],
+    batch: Any,
+    ref_name: str,
+    steps: int = 5,
+) -> dict[str, Any]:
+    """``steps`` optimizer steps per variant and per single-term scenario on a deep copy of the model,
+    from the same start each time; records each term's curve and whether it decreases."""
+    alone = [s for s in scenarios if len(s.terms) == 1]
+    copy_model = copy.deepcopy(model)
+    params = [p for p in copy_model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    curves: dict[str, dict[str, list[float]]] = {}
+    verdicts: dict[str, dict[str, str]] = {}
+    errors: dict[str, dict[str, str]] = {}
+    for variant in variants:
+        ctx = VariantContext(copy_model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
+        built = build(variant, ctx)
+        curves[variant.name], verdicts[variant.name], errors[variant.name] = {}, {}, {}
+        for s in alone:
+            (term,) = s.terms
+            with torch.no_grad():
+                for p, p0 in zip(params, start, strict=True):
+                    p.copy_(p0)
+            optimizer = _optimizer(spec, params)
+            curve: list[float] = []
+            try:
+                if built.error is not None:
+                    raise RuntimeError(f"{built.error.stage}: {built.error.message}")
+                assert built.run is not None
+                for _ in range(steps + 1):
+                    reseed(spec.seed)
+                    total, values = check_total(
+                        built.run(batch, make_weights(terms, s.terms, params[0])), terms
+                    )
+                    curve.append(float(values.get(term, total).detach()))
+                    if len(curve) > steps:
+                        break
+                    if not total.requires_grad:
+                        raise RuntimeError(f"the {term} loss has no gradient path")
+                    grads = torch.autograd.grad(total, params, allow_unused=True)
+                    for p, g in zip(params, grads, strict=True):
+                        p.grad = g
+                    optimizer.step()
+            except Exception as e:
+                err = run_error("training", e)
+                errors[variant.name][term] = f"{err.type}: {err.message}"
+                verdicts[variant.name][term] = "error"
+                curves[variant.name][term] = curve
+                continue
+            curves[variant.name][term] = curve
+            verdicts[variant.name][term] = _trend(curve)
+    reference = curves.get(ref_name, {})
+    divergence = {
+        v: max((_curve_gap(c, reference.get(t)) for t, c in cs.items()), default=0.0)
+        for v, cs in curves.items()
+        if v != ref_name
+    }
+    return {
+        "steps": steps,
+        "optimizer": type(_optimizer(spec, [torch.zeros(1, requires_grad=True)])).__name__,
+        "curves": curves,
+        "verdicts": verdicts,
+        "errors": errors,
+        "divergence_from_reference": divergence,
+        "passed": all(v == "decreases" for vs in verdicts.values() for v in vs.values()),
+    }
+
+
+def _optimizer(spec: ProbeSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    opt = spec.optimizer
+    if opt is None:
+        return torch.optim.Adam(params, lr=1e-3)
+    if isinstance(opt, torch.optim.Optimizer):
+        # A fresh optimizer of the user's kind and hyperparameters: the user's own is never stepped.
+        return type(opt)(params, **opt.defaults)
+    return opt(params)
+
+
+def _trend(curve: list[float]) -> str:
+    if len(curve) < 2 or not all(math.isfinite(c) for c in curve):
+        return "error" if not all(math.isfinite(c) for c in curve) else "flat"
+    first, last = curve[0], curve[-1]
+    if last < first * (1 - 1e-6) - 1e-300:
+        return "decreases"
+    if abs(last - first) <= 1e-6 * abs(first):
+        return "flat"
+    return "increases"
+
+
+def _curve_gap(curve: list[float], reference: list[float] | None) -> float:
+    if not reference or not curve:
+        return math.inf if reference else 0.0
+    n = min(len(curve), len(reference))
+    return max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(curve[:n], reference[:n], strict=True))
