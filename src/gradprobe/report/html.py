@@ -81,10 +81,7 @@ def _num(x: float | None, fmt: str = ".3g") -> str:
 
 
 def _run(fm: FlowMap, variant: str, scenario: str) -> Run | None:
-    try:
-        return fm.run(variant, scenario)
-    except KeyError:
-        return None
+    return next((r for r in fm.runs if r.variant == variant and r.scenario == scenario), None)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "grid") -> str:
@@ -139,9 +136,8 @@ def _finding(f: Finding) -> str:
 
 
 def _findings(fm: FlowMap) -> str:
-    if not fm.findings:
-        return _section("Findings", '<p class="hint">No finding.</p>', "findings")
-    return _section("Findings", "".join(_finding(f) for f in fm.findings), "findings")
+    content = "".join(_finding(f) for f in fm.findings) or '<p class="hint">No finding.</p>'
+    return _section("Findings", content, "findings")
 
 
 # ----- summary table and diff ------------------------------------------------------------------
@@ -169,6 +165,8 @@ def _summary(fm: FlowMap) -> str:
 
 
 def _diffs(fm: FlowMap) -> str:
+    if len(fm.variants) < 2:
+        return ""
     blocks = []
     for v in fm.variant_names:
         for s in fm.scenario_names:
@@ -184,8 +182,6 @@ def _diffs(fm: FlowMap) -> str:
             if rows:
                 header = ["parameter", esc(fm.reference), esc(v), "L1 ref", "L1", "rel. error", "verdict"]
                 blocks.append(f"<h3>{esc(s)}: {esc(fm.reference)} vs {esc(v)}</h3>" + _table(header, rows))
-    if len(fm.variants) < 2:
-        return ""
     return _section("Per-parameter diff", "".join(blocks) or '<p class="hint">No cell differs.</p>', "diff")
 
 
@@ -239,9 +235,10 @@ def _heatmap(fm: FlowMap) -> str:
     )
     return _section(
         "Heat map: gradient status per parameter, scenario and variant",
-        '<div id="hm-info" class="hint">Hover a cell for its details.</div>'
-        f'<div class="hm-wrap"><table id="heatmap" class="heatmap" style="--cw:{max(30, 60 // nv)}px"><thead><tr><th rowspan="2"></th>{top}</tr>'
-        f'<tr>{names}</tr></thead><tbody>{"".join(rows)}</tbody></table></div><div class="legend">{legend}</div>',
+        '<div id="hm-info" class="hint">Hover a cell for its details.</div><div class="hm-wrap">'
+        f'<table id="heatmap" class="heatmap" style="--cw:{max(30, 60 // nv)}px"><thead><tr><th rowspan="2"></th>'
+        f"{top}</tr><tr>{names}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+        f'<div class="legend">{legend}</div>',
         "heatmap-section",
     )
 

@@ -228,6 +228,55 @@ def _agreement(fm: FlowMap, variant: str) -> str:
     return f"matches {fm.reference} on all {len(cells)} cells{worst}{tail}"
 
 
+def check_lines(fm: FlowMap) -> list[str]:
+    """One line per verification check that ran (consistency, physics, shape sweep, training)."""
+    checks = fm.checks
+    lines = []
+    c = checks.get("consistency")
+    if c:
+        parts = []
+        for v, r in c["variants"].items():
+            if r["passed"]:
+                parts.append(f"{v}: PASS ({r['checked_cells']} cells)")
+            else:
+                worst = r["worst"][0] if r["worst"] else None
+                detail = f", worst {worst['parameter']} in {worst['scenario']}" if worst else ""
+                failed = f"{r['failed_cells']}/{r['checked_cells']} cells" if r["checked_cells"] else "no run"
+                terms = f", {len(r['terms'])} term value(s)" if r["terms"] else ""
+                parts.append(f"{v}: FAIL {failed}{terms}{detail}")
+        lines.append(
+            f"consistency vs {fm.reference} (rtol {c['rtol']:g}, atol {c['atol']:g}): " + "; ".join(parts)
+        )
+    p = checks.get("physics")
+    if p:
+        head = "PASS" if p["passed"] else "FAIL"
+        parts = [
+            f"force vs -dE/dx {p['force']['max_rel_error']:.2g}",
+            f"sum rule {p['sum_rule']['relative']:.2g}",
+        ]
+        if "virial" in p:
+            parts.append(f"virial vs strain {p['virial']['max_rel_error']:.2g}")
+        lines.append(
+            f"physics ({p['samples']} finite-difference samples, float64): {head} — " + ", ".join(parts)
+        )
+        lines.extend(f"  {failure}" for failure in p["failures"])
+    for v, entry in (checks.get("shape_sweep") or {}).items():
+        result = entry["error"] or (
+            f"{len(entry['mismatched'])} gradient(s) differ" if entry["mismatched"] else "matches eager"
+        )
+        lines.append(f"shape sweep, {v}: {result}")
+    t = checks.get("training")
+    if t:
+        lines.append(f"training ({t['steps']} {t['optimizer']} steps per term, on a copy):")
+        for v, verdicts in t["verdicts"].items():
+            gap = t["divergence_from_reference"].get(v)
+            tail = f" — trajectory differs from {fm.reference} by up to {gap:.2g}" if gap else ""
+            lines.append(
+                f"  {v}: " + ", ".join(f"{term} {verdict}" for term, verdict in verdicts.items()) + tail
+            )
+    return lines
+
+
 def finding_lines(finding: Finding) -> list[str]:
     lines = [f"{finding.severity.upper()} {finding.cause}: {finding.message}"]
     if finding.fix:
@@ -272,6 +321,10 @@ def render(fm: FlowMap, *, show_all: bool = False) -> str:
     if facts:
         out.append("")
         out.extend(facts)
+    checked = check_lines(fm)
+    if checked:
+        out.extend(["", "checks:"])
+        out.extend(f"  {line}" for line in checked)
     diffs = [
         line
         for v in fm.variant_names
