@@ -23,18 +23,6 @@ def zoo_map():
         return _zoo_map(bug, variants, tuple(checks), diagnose)
 
     return get
-from gradprobe.zoo.reference import REFERENCE_NOTES
-
-
-@pytest.fixture
-def ref_spec():
-    """The reference potential's spec: CPU, float64, terms mode."""
-    return reference_spec()
-
-
-@pytest.fixture
-def ref_notes():
-    return REFERENCE_NOTES
 
 
 @pytest.fixture(autouse=True)

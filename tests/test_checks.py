@@ -10,7 +10,9 @@ FIXED = "make_fx[detach=alias]+compile:aot_eager"
 
 @pytest.fixture(scope="module")
 def checked():
-    return gradprobe.probe(reference_spec(), variants=f"eager,make_fx,{FIXED}", checks=["physics", "shapes", "training"])
+    return gradprobe.probe(
+        reference_spec(), variants=f"eager,make_fx,{FIXED}", checks=["physics", "shapes", "training"]
+    )
 
 
 def test_consistency_passes_at_1e_10_for_a_correct_compiled_path(checked):
@@ -71,7 +73,9 @@ def test_training_check_flags_eval_mode_force_terms():
     verdicts = fm.checks["training"]["verdicts"]["eager"]
     assert verdicts["force"] == "error" and verdicts["virial"] == "error"
     # Forces computed without create_graph: the backward either has no path or hits the freed graph.
-    assert any(m in fm.checks["training"]["errors"]["eager"]["force"] for m in ("no gradient path", "second time"))
+    assert any(
+        m in fm.checks["training"]["errors"]["eager"]["force"] for m in ("no gradient path", "second time")
+    )
 
 
 def test_norm_mismatch_is_named_from_term_values(zoo_map):

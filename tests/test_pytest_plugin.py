@@ -44,7 +44,9 @@ def test_snapshot_fixture_update_and_regression(pytester, monkeypatch):
     pytester.makepyfile(test_user=TEST_FILE)
     missing = pytester.runpytest("-k", "test_flow", "-p", "no:cacheprovider")
     missing.assert_outcomes(failed=1)
-    missing.stdout.fnmatch_lines(["*no gradprobe snapshot at *test_flow.flow.json: run pytest with --gradprobe-update*"])
+    missing.stdout.fnmatch_lines(
+        ["*no gradprobe snapshot at *test_flow.flow.json: run pytest with --gradprobe-update*"]
+    )
 
     pytester.runpytest("-k", "test_flow", "--gradprobe-update").assert_outcomes(passed=1)
     assert (pytester.path / "__gradprobe__" / "test_flow.flow.json").is_file()

@@ -171,16 +171,24 @@ def test_user_text_is_escaped(evil_map):
     assert {c["data-parameter"] for c in dom.cells} == {EVIL, "ok"}
 
 
-def test_training_curves_when_the_check_has_them(makefx_map):
+def test_checks_and_training_curves(makefx_map):
     curves = {
         "eager": {"energy": [1.0, 0.5, 0.2], "force": [3.0, "nan", 1.0]},
         "make_fx": {"energy": [1.0, 0.9]},
     }
-    page = render_html(dataclasses.replace(makefx_map, checks={"training": {"curves": curves}}))
-    section = page.split('id="training"')[1].split("</section>")[0]
+    training = {
+        "steps": 2, "optimizer": "Adam", "curves": curves, "divergence_from_reference": {"make_fx": 0.1},
+        "verdicts": {"eager": {"energy": "decreases", "force": "decreases"}, "make_fx": {"energy": "decreases"}},
+    }  # fmt: skip
+    page = render_html(dataclasses.replace(makefx_map, checks={"training": training}))
+    section = page.split('id="checks"')[1].split("</section>")[0]
+    assert "training (2 Adam steps per term, on a copy):" in section  # the terminal's check lines
     assert section.count("<figure>") == 2 and section.count("<polyline") == 4  # force: a gap at nan
+    assert "eager: decreases" in section
+    only_curves = render_html(dataclasses.replace(makefx_map, checks={"training": {"curves": curves}}))
+    assert only_curves.count("<polyline") == 4  # rendered generically from curves alone
     other = render_html(dataclasses.replace(makefx_map, checks={"training": {"passed": True}}))
-    assert 'id="training"' not in other
+    assert 'id="checks"' not in other
 
 
 @pytest.mark.parametrize("name", ["makefx_map", "eval_map", "evil_map"])

@@ -42,6 +42,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
     _report_options(p)
     p.add_argument(
+        "--check",
+        default="",
+        metavar="CHECKS",
+        help="verification checks, comma-separated: physics (forces/virial vs finite differences), shapes "
+        "(traced variants on a batch of other shapes), training (a few optimizer steps per term on a copy)",
+    )
+    p.add_argument(
         "--diagnose",
         action="store_true",
         help="bisect failing variants' knobs and locate the break in the model (extra traces and compiles)",
@@ -230,9 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bug=args.bug,
             )
             diagnose = diagnose or args.bug is not None
+            if args.bug is not None:
+                args.check = ",".join([args.check, *BUGS[args.bug].checks])
         else:
             spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
-        fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose)
+        checks = [c.strip() for c in args.check.split(",") if c.strip()]
+        fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:
         sys.stderr.write(f"gradprobe: error: {e}\n")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..flowmap import Finding, FlowMap, Run
-from .terminal import _cell_text, interpretation_lines, meaning_lines, variant_lines, verdict
+from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 SYMBOL = {"nan": "N", "inf": "∞", "zero": "0", "failed": "×", "wrong": "≠", "missing": "−", "extra": "+"}
 LEGEND = (
@@ -27,41 +27,35 @@ PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#b
 BARS = ("#2563eb", "#0d9488", "#7c3aed", "#ca8a04", "#db2777")
 
 CSS = """
-*{box-sizing:border-box}body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;
-color:#1f2937;margin:0;background:#f3f4f6}main{max-width:1360px;margin:0 auto;padding:20px 28px}
-h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:0 0 10px}
-section{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:16px 20px;margin:14px 0}
-.sub,.hint{color:#6b7280;font-size:13px}.verdict{display:inline-block;font-weight:600;font-size:16px;
-padding:6px 14px;border-radius:6px;margin:8px 0}.v-error{background:#fee2e2;color:#991b1b}
-.v-warning{background:#fef3c7;color:#92400e}.v-ok{background:#dcfce7;color:#166534}
-.finding{border-left:5px solid #9ca3af;padding:8px 14px;margin:10px 0;background:#f9fafb;border-radius:4px}
+*{box-sizing:border-box}body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1f2937;margin:0;background:#f3f4f6}
+main{max-width:1360px;margin:0 auto;padding:20px 28px}h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:0 0 10px}
+section{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:16px 20px;margin:14px 0}.sub,.hint{color:#6b7280;font-size:13px}
+.verdict{display:inline-block;font-weight:600;font-size:16px;padding:6px 14px;border-radius:6px;margin:8px 0}
+.v-error{background:#fee2e2;color:#991b1b}.v-warning{background:#fef3c7;color:#92400e}.v-ok{background:#dcfce7;color:#166534}
+.finding{border-left:5px solid #9ca3af;padding:8px 14px;margin:10px 0;background:#f9fafb;border-radius:4px}.finding p{margin:6px 0}
 .sev-error{border-color:#dc2626}.sev-warning{border-color:#f59e0b}.sev-info{border-color:#60a5fa}
 .badge{font-size:11px;font-weight:700;padding:2px 7px;border-radius:4px;color:#fff;background:#6b7280}
 .sev-error .badge{background:#dc2626}.sev-warning .badge{background:#d97706}.sev-info .badge{background:#3b82f6}
-.finding p{margin:6px 0}dl{display:grid;grid-template-columns:70px 1fr;gap:3px 10px;margin:6px 0}
-dt{color:#6b7280;font-weight:600}dd{margin:0}pre{margin:4px 0 0;padding:6px 9px;background:#111827;
-color:#e5e7eb;border-radius:4px;white-space:pre-wrap;font-size:12.5px}
-code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-table{border-collapse:collapse}td,th{padding:4px 10px;text-align:left}
-.grid td,.grid th{border-bottom:1px solid #e5e7eb}.grid th{background:#f9fafb;font-weight:600}
-.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
-ul{margin:8px 0;padding-left:20px}.hm-wrap{overflow-x:auto}
-.heatmap th,.heatmap td{padding:0}.heatmap .pname{padding:1px 12px 1px 0;font:12.5px ui-monospace,monospace;
-white-space:nowrap}.heatmap .scen{text-align:center;padding:2px 6px;border-bottom:1px solid #d1d5db;
-border-left:3px solid #fff;overflow-wrap:anywhere}.heatmap .vname{vertical-align:bottom;padding:4px 0;font-weight:400;font-size:12px}
+dl{display:grid;grid-template-columns:70px 1fr;gap:3px 10px;margin:6px 0}dt{color:#6b7280;font-weight:600}dd{margin:0}
+pre{margin:4px 0 0;padding:6px 9px;background:#111827;color:#e5e7eb;border-radius:4px;white-space:pre-wrap;font-size:12.5px}
+code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}ul{margin:8px 0;padding-left:20px}
+table{border-collapse:collapse}td,th{padding:4px 10px;text-align:left}.grid td,.grid th{border-bottom:1px solid #e5e7eb}
+.grid th{background:#f9fafb;font-weight:600}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
+.hm-wrap{overflow-x:auto}.heatmap th,.heatmap td{padding:0}.first{border-left:3px solid #fff}.frozen{color:#9ca3af}
+.heatmap .pname{padding:1px 12px 1px 0;font:12.5px ui-monospace,monospace;white-space:nowrap}
+.heatmap .scen{text-align:center;padding:2px 3px;border-bottom:1px solid #d1d5db;border-left:3px solid #fff;font-size:12.5px}
+.heatmap .vname{vertical-align:bottom;padding:4px 0;font-weight:400;font-size:12px}
 .heatmap .vname span{writing-mode:vertical-rl;transform:rotate(180deg);display:inline-block;max-height:190px}
-.hm-cell{width:var(--cw);min-width:var(--cw);height:22px;text-align:center;font-size:12px;font-weight:700;color:#fff;
-border:1px solid #fff;cursor:default}.first{border-left:3px solid #fff}.frozen{color:#9ca3af}
+.hm-cell{width:var(--cw);min-width:var(--cw);height:22px;text-align:center;font-size:12px;font-weight:700;color:#fff;border:1px solid #fff}
 .hm-cell:hover{outline:2px solid #111827}#hm-info{min-height:22px;font-size:13px;margin:6px 0;color:#374151}
-.k-nonzero{background:#16a34a}.k-zero{background:#93c5fd;color:#1e3a8a}.k-none{background:#e5e7eb}
-.k-nan{background:#7f1d1d}.k-inf{background:#c2410c}.k-failed{background:repeating-linear-gradient(45deg,
-#6b7280 0 4px,#9ca3af 4px 8px)}.k-wrong{background:#f59e0b;color:#451a03}.k-missing{background:#dc2626}
-.k-extra{background:#7c3aed}.k-absent{background:#fff;border:1px dashed #9ca3af}
+.k-nonzero{background:#16a34a}.k-zero{background:#93c5fd;color:#1e3a8a}.k-none{background:#e5e7eb}.k-nan{background:#7f1d1d}
+.k-inf{background:#c2410c}.k-failed{background:repeating-linear-gradient(45deg,#6b7280 0 4px,#9ca3af 4px 8px)}
+.k-wrong{background:#f59e0b;color:#451a03}.k-missing{background:#dc2626}.k-extra{background:#7c3aed}
+.k-absent{background:#fff;border:1px dashed #9ca3af}.dash{background:repeating-linear-gradient(90deg,var(--c) 0 5px,#fff 5px 8px)!important}
 .legend{display:flex;flex-wrap:wrap;gap:6px 18px;margin-top:10px;font-size:13px}
-.legend span.sw{display:inline-block;width:16px;height:14px;margin-right:5px;vertical-align:-2px;
-font-size:10px;text-align:center;color:#fff;font-weight:700;line-height:14px}
-.charts{display:flex;flex-wrap:wrap;gap:18px}figure{margin:0}figcaption{font-weight:600;margin-bottom:4px}
-svg text{font:11px system-ui,sans-serif;fill:#374151}
+.legend span.sw{display:inline-block;width:16px;height:14px;margin-right:5px;vertical-align:-2px;font-size:10px;text-align:center;
+color:#fff;font-weight:700;line-height:14px}.charts{display:flex;flex-wrap:wrap;gap:18px}figure{margin:0}
+figcaption{font-weight:600;margin-bottom:4px}svg text{font:11px system-ui,sans-serif;fill:#374151}svg .nf{fill:#b91c1c}li.in{margin-left:18px}
 """
 
 JS = """(function(){var hm=document.getElementById('heatmap'),info=document.getElementById('hm-info');
@@ -93,9 +87,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "gri
     return f'<table class="{cls}">{head}<tbody>{body}</tbody></table>'
 
 
-def _section(title: str, content: str, sid: str = "") -> str:
-    attr = f' id="{sid}"' if sid else ""
-    return f"<section{attr}><h2>{title}</h2>{content}</section>"
+def _section(title: str, content: str, sid: str) -> str:
+    return f'<section id="{sid}"><h2>{title}</h2>{content}</section>'
 
 
 # ----- verdict and findings -------------------------------------------------------------------
@@ -225,8 +218,8 @@ def _heatmap(fm: FlowMap) -> str:
             for i, v in enumerate(fm.variant_names):
                 status, vd, kind, tip = _cell_attrs(fm, v, s, p.name)
                 tds.append(
-                    f'<td class="hm-cell k-{kind}{" first" * (i == 0)}" data-parameter="{esc(p.name)}" '
-                    f'data-scenario="{esc(s)}" data-variant="{esc(v)}" data-status="{status}" '
+                    f'<td class="hm-cell k-{esc(kind)}{" first" * (i == 0)}" data-parameter="{esc(p.name)}" '
+                    f'data-scenario="{esc(s)}" data-variant="{esc(v)}" data-status="{esc(status)}" '
                     f'data-verdict="{esc(vd)}" title="{esc(chr(10).join(tip))}">{SYMBOL.get(kind, "")}</td>'
                 )
         rows.append(f'<tr><th class="pname" title="{esc(p.name)}">{label}</th>{"".join(tds)}</tr>')
@@ -270,6 +263,7 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int, colour: str) -> st
     parts = [_y_axis(lo, hi, left, w - 6, y)]
     for i, p in enumerate(params):
         c, x = cells.get(p), left + i * bw
+        mid = x + bw / 2
         status, norm = (c.status, c.norm) if c else ("absent", None)
         tip = esc(f"{p}: {status}, L1 norm {_num(norm, '.4g')}")
         if status == "nonzero" and norm and norm > 0:
@@ -279,12 +273,10 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int, colour: str) -> st
                 f'fill="{colour}"><title>{tip}</title></rect>'
             )
         elif status in ("nan", "inf"):
-            parts.append(
-                f'<text x="{x + bw / 2}" y="{top + 12}" text-anchor="middle" fill="#b91c1c">{status}</text>'
-            )
+            parts.append(f'<text x="{mid}" y="{top + 12}" class="nf" text-anchor="middle">{status}</text>')
         short = p if len(p) <= 26 else "…" + p[-25:]
         parts.append(
-            f'<text transform="translate({x + bw / 2 + 4},{top + ph + 8}) rotate(-55)" text-anchor="end">'
+            f'<text transform="translate({mid + 4},{top + ph + 8}) rotate(-55)" text-anchor="end">'
             f"<title>{tip}</title>{esc(short)}</text>"
         )
     parts.append(f'<line x1="{left}" x2="{w - 6}" y1="{top + ph}" y2="{top + ph}" stroke="#6b7280"/>')
@@ -300,12 +292,10 @@ def _norm_charts(fm: FlowMap) -> str:
     norms = [c.norm for s in ok for c in fm.cells_of(fm.reference, s).values() if c.norm is not None]
     lo, hi = _log_range(norms)
     charts = [_norm_chart(fm, s, lo, hi, BARS[i % len(BARS)]) for i, s in enumerate(ok)]
-    failed = [
-        f"<li>{esc(s.name)}: the {esc(fm.reference)} run failed</li>" for s in singles if s.name not in ok
-    ]
+    failed = "".join(f"<li>{esc(s.name)}: the reference run failed</li>" for s in singles if s.name not in ok)
     return _section(
         "Gradient flow per term: log10 L1 norm per parameter, in model order",
-        f'<div class="charts">{"".join(charts)}</div>' + (f"<ul>{''.join(failed)}</ul>" if failed else ""),
+        f'<div class="charts">{"".join(charts)}</div>' + (f"<ul>{failed}</ul>" if failed else ""),
         "norms",
     )
 
@@ -323,11 +313,13 @@ def _curve_chart(term: str, series: dict[str, list[float | None]]) -> str:
     values = [x for xs in series.values() for x in xs if x is not None]
     lo, hi = _log_range(values)
     n = max((len(xs) for xs in series.values()), default=1)
-    left, top, pw, ph = 46, 10, 360, 160
+    left, top, pw, ph = 46, 10, 320, 160
     y = lambda k: top + ph * (1 - (k - lo) / (hi - lo))  # noqa: E731
-    parts, legend = [_y_axis(lo, hi, left, left + pw, y)], []
+    steps = f'<text x="{left}" y="{top + ph + 15}">step 0</text><text x="{left + pw}" y="{top + ph + 15}"'
+    parts, legend = [_y_axis(lo, hi, left, left + pw, y), f'{steps} text-anchor="end">{n - 1}</text>'], []
     for i, (v, xs) in enumerate(series.items()):
         colour, segs, seg = PALETTE[i % len(PALETTE)], [], []
+        dash = ' stroke-dasharray="7 4"' * (i > 0)  # later variants dashed: identical curves stay visible
         for j, x in enumerate(xs):
             if x is not None and x > 0 and math.isfinite(x):
                 seg.append(f"{left + pw * j / max(n - 1, 1):.1f},{y(math.log10(x)):.1f}")
@@ -335,29 +327,38 @@ def _curve_chart(term: str, series: dict[str, list[float | None]]) -> str:
                 segs, seg = [*segs, seg], []
         for pts in (p for p in [*segs, seg] if p):
             parts.append(
-                f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(pts)}"/>'
+                f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} points="{" ".join(pts)}"/>'
             )
-        legend.append(f'<span><span class="sw" style="background:{colour}"></span>{esc(v)}</span>')
+        swatch = f'<span class="sw{" dash" * (i > 0)}" style="background:{colour};--c:{colour}"></span>'
+        legend.append(f"<span>{swatch}{esc(v)}</span>")
     svg = f'<svg width="{left + pw + 10}" height="{top + ph + 20}" role="img">{"".join(parts)}</svg>'
-    caption = f"<figcaption>{esc(term)}</figcaption>"
-    return f'<figure>{caption}{svg}<div class="legend">{"".join(legend)}</div></figure>'
+    return f'<figure><figcaption>{esc(term)}</figcaption>{svg}<div class="legend">{"".join(legend)}</div></figure>'
 
 
-def _training(fm: FlowMap) -> str:
-    check = fm.checks.get("training")
-    curves = check.get("curves") if isinstance(check, dict) else None
-    if not isinstance(curves, dict) or not curves:
-        return ""
-    verdicts = check.get("verdicts") if isinstance(check.get("verdicts"), dict) else {}
+def _curves(check: dict[str, Any]) -> str:
+    """Loss curves of the training check, one chart per term, when it recorded ``curves``."""
+    curves, verdicts = check.get("curves"), check.get("verdicts")
     by_term: dict[str, dict[str, list[float | None]]] = {}
-    for v, terms in curves.items():
+    for v, terms in curves.items() if isinstance(curves, dict) else ():
+        said = verdicts.get(v) if isinstance(verdicts, dict) and isinstance(verdicts.get(v), dict) else {}
         for t, xs in terms.items() if isinstance(terms, dict) else ():
-            said = (verdicts.get(v) or {}).get(t) if isinstance(verdicts.get(v), dict) else None
-            by_term.setdefault(str(t), {})[f"{v}: {said}" if said else str(v)] = _floats(xs)
+            by_term.setdefault(str(t), {})[f"{v}: {said[t]}" if t in said else str(v)] = _floats(xs)
     charts = "".join(_curve_chart(t, series) for t, series in by_term.items())
-    return _section(
-        "Training check: loss per term (log scale)", f'<div class="charts">{charts}</div>', "training"
-    )
+    head = "<h3>Training: loss per term (log scale)</h3>"
+    return f'{head}<div class="charts" id="training">{charts}</div>' if charts else ""
+
+
+def _checks(fm: FlowMap) -> str:
+    """Verification checks: the terminal's check lines, and the training loss curves."""
+    try:
+        lines = check_lines(fm)
+    except (KeyError, TypeError, AttributeError):  # a checks dict of another shape: curves only
+        lines = []
+    training = fm.checks.get("training")
+    charts = _curves(training) if isinstance(training, dict) else ""
+    items = "".join(f'<li class="{"in" * x.startswith(" ")}">{esc(x.strip())}</li>' for x in lines)
+    content = (f"<ul>{items}</ul>" if items else "") + charts
+    return _section("Checks", content, "checks") if content else ""
 
 
 # ----- environment and page --------------------------------------------------------------------
@@ -388,7 +389,7 @@ def _environment(fm: FlowMap) -> str:
 
 def render_html(fm: FlowMap) -> str:
     """The whole report as one self-contained HTML page."""
-    sections = (_header, _findings, _summary, _heatmap, _norm_charts, _training, _diffs, _environment)
+    sections = (_header, _findings, _summary, _heatmap, _norm_charts, _checks, _diffs, _environment)
     body = "".join(section(fm) for section in sections)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

@@ -12,7 +12,7 @@ import os
 import re
 
 from ..flowmap import Finding, FlowMap
-from .terminal import _cell_text, interpretation_lines, meaning_lines, variant_lines, verdict
+from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 DIFFERS = "⚠"
 _SEVERITY = {"error": "🛑 ERROR", "warning": "⚠️ WARNING", "info": "ℹ️ INFO"}
@@ -112,6 +112,14 @@ def diff_markdown(fm: FlowMap, variant: str, scenario: str) -> list[str]:
     return [title, "", *table(header, rows, ["---", "---", "---", "---:", "---"]), ""]
 
 
+def _checks(fm: FlowMap) -> list[str]:
+    """The terminal's line per verification check; none for a checks dict of another shape."""
+    try:
+        return check_lines(fm)
+    except (KeyError, TypeError, AttributeError):
+        return []
+
+
 def render_markdown(fm: FlowMap) -> str:
     """The whole report as GitHub-flavoured Markdown, for a pull-request comment."""
     out = [f"## gradprobe: {md_escape(verdict(fm))}", ""]
@@ -144,7 +152,7 @@ def render_markdown(fm: FlowMap) -> str:
     if diffs:
         out += ["<details><summary>Per-parameter diff (differing parameters only)</summary>", "", *diffs]
         out += ["</details>", ""]
-    details = [f"- {md_escape(line)}" for line in meaning_lines(fm) + variant_lines(fm)]
+    details = [f"- {md_escape(line)}" for line in meaning_lines(fm) + variant_lines(fm) + _checks(fm)]
     details += [f"- **warning:** {md_escape(w)}" for w in fm.warnings]
     if details:
         out += ["<details><summary>Details</summary>", "", *details, "", "</details>", ""]

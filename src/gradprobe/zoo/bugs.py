@@ -25,6 +25,7 @@ class ZooBug:
     eval_model: bool = False  # the factory hands over a model left in eval mode
     mode: str = "terms"  # step contract
     model_family: str = "potential"  # which zoo model carries it: potential | multitask
+    checks: tuple[str, ...] = ()  # verification checks whose evidence names it (the demo runs them)
 
 
 BUGS: dict[str, ZooBug] = {
@@ -83,6 +84,7 @@ BUGS: dict[str, ZooBug] = {
             "ghost-force-slice",
             "forces on periodic images are sliced away instead of scatter-summed onto their local atoms",
             model={"ghost_force": "slice"},
+            checks=("physics",),
         ),
     )
 }

@@ -1,0 +1,432 @@
+"""gradprobe's cost against the naive loop and against the floor, in one run.
+
+    python benchmarks/bench_probe.py            # full run (a few minutes on 2 cores)
+    python benchmarks/bench_probe.py --quick    # smoke run with tiny sizes (numbers meaningless)
+
+Sections:
+  1. probe vs naive loop (eager): gradprobe.probe against k scenarios x (zero_grad, forward,
+     float-weighted total, backward(), bool(p.grad.abs().sum() > 0) per parameter).
+  2. probe vs floor: eager, against one forward + k autograd.grad; compiled
+     (make_fx[detach=alias]+compile:aot_eager), against one trace-and-compile + k+1 forward/backward.
+  3. compiles per compiled variant: gradprobe's variant against the naive loop with Python-float weights.
+  4. host syncs per scenario, at 1x, 4x, 16x the parameter tensors.
+  5. memory (peak RSS over a plain training step, fresh process each) and flow-map size.
+Then one PASS/FAIL line per requirement. Timings: one thread, interleaved rounds (A B C A B C ...),
+the minimum of each; ratios of minima. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import gradprobe  # noqa: E402
+from baselines import (  # noqa: E402
+    default_scenarios,
+    float_weights,
+    floor_compiled,
+    floor_eager,
+    naive_compiled,
+    naive_eager,
+)
+from gradprobe.zoo import reference_spec  # noqa: E402
+from syncs import SyncCounter  # noqa: E402
+from timing import best, interleaved  # noqa: E402
+from wide_model import TERMS, make_wide, size_of, wide_step  # noqa: E402
+
+COMPILED = "make_fx[detach=alias]+compile:aot_eager"
+
+FULL = {
+    "eager_reps_reference": 15,
+    "eager_reps_wide": 5,
+    "wide": {"n_branches": 2048, "width": 16, "n_big": 3, "big_dim": 4096, "batch_size": 8},
+    "compiled_model": "reference",
+    "compiled_reps": 3,
+    "sync_branches": (128, 512, 2048),
+    "sync_width": 16,
+    "memory_branches": (128, 512, 2048),
+    "memory_width": 128,
+}
+QUICK = {
+    "eager_reps_reference": 3,
+    "eager_reps_wide": 2,
+    "wide": {"n_branches": 32, "width": 8, "n_big": 3, "big_dim": 64, "batch_size": 8},
+    "compiled_model": "tiny",
+    "compiled_reps": 1,
+    "sync_branches": (4, 16, 64),
+    "sync_width": 4,
+    "memory_branches": (4, 16, 64),
+    "memory_width": 8,
+}
+
+
+@dataclasses.dataclass
+class Case:
+    """A model to benchmark: instance, terms-mode step, batches, terms."""
+
+    name: str
+    model: torch.nn.Module
+    step: Callable[..., Any]
+    batch: Any
+    second_batch: Any
+    terms: list[str]
+
+    @property
+    def spec(self) -> gradprobe.ProbeSpec:
+        # The model instance, not a factory: model construction is not gradprobe's cost and is not
+        # timed for the baselines either. Everything else probe() does is timed.
+        return gradprobe.ProbeSpec(
+            model=self.model, step=self.step, batch=self.batch, second_batch=self.second_batch, terms=self.terms
+        )
+
+    @property
+    def scenarios(self) -> list[tuple[str, tuple[str, ...]]]:
+        return default_scenarios(self.terms)
+
+
+def reference_case() -> Case:
+    spec = reference_spec()  # float64, CPU, terms energy/force/virial
+    model = spec.model() if not isinstance(spec.model, torch.nn.Module) else spec.model
+    return Case("reference potential", model, spec.step, spec.batch, spec.second_batch, list(spec.terms or ()))
+
+
+def wide_case(n_branches: int, width: int, n_big: int = 0, big_dim: int = 0, batch_size: int = 8) -> Case:
+    model, batch = make_wide(n_branches, width, n_big, big_dim, batch_size)
+    _, batch2 = make_wide(n_branches, width, n_big, big_dim, batch_size, seed=1)
+    return Case(f"wide ({n_branches} branches)", model, wide_step, batch, batch2, list(TERMS))
+
+
+def header(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def fmt_n(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(int(n))
+
+
+def same_reach(reached: dict[str, list[str]], fm: gradprobe.FlowMap, variant: str) -> bool:
+    return all(set(names) == set(fm.reached(variant, s)) for s, names in reached.items())
+
+
+# ----------------------------------------------------------------------------------- sections
+
+
+def eager_timings(case: Case, reps: int) -> dict[str, Any]:
+    spec = case.spec
+    fns = {
+        "probe": lambda: gradprobe.probe(spec),
+        "naive": lambda: naive_eager(case.model, case.step, case.batch, case.terms, case.scenarios),
+        "floor": lambda: floor_eager(case.model, case.step, case.batch, case.scenarios),
+    }
+    for fn in fns.values():  # warm-up, untimed
+        fn()
+    times = interleaved(fns, reps, before=lambda: case.model.zero_grad(set_to_none=True))
+    fm = gradprobe.probe(spec)
+    reached = naive_eager(case.model, case.step, case.batch, case.terms, case.scenarios)
+    case.model.zero_grad(set_to_none=True)
+    tensors, scalars = size_of(case.model)
+    return {
+        "model": case.name,
+        "tensors": tensors,
+        "scalars": scalars,
+        "scenarios": len(case.scenarios),
+        "reps": reps,
+        "best": best(times),
+        "all": times,
+        "agree": same_reach(reached, fm, "eager"),
+    }
+
+
+def compiled_timings(case: Case, reps: int) -> dict[str, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    spec = case.spec
+    out: dict[str, Any] = {}
+
+    def probe() -> None:
+        out["fm"] = gradprobe.probe(spec, variants=COMPILED)
+
+    def floor() -> None:
+        out["floor_graphs"] = floor_compiled(
+            case.model, case.step, case.batch, case.second_batch, case.terms, case.scenarios
+        )
+
+    def naive() -> None:
+        before = counters["stats"]["unique_graphs"]
+        out["naive_reached"], out["naive_per_scenario"] = naive_compiled(
+            case.model, case.step, case.batch, case.terms, case.scenarios
+        )
+        out["naive_unique_graphs"] = counters["stats"]["unique_graphs"] - before
+
+    def fresh() -> None:
+        # Every contender starts from an empty dynamo cache (and fresh automatic-dynamic state).
+        torch._dynamo.reset()
+        case.model.zero_grad(set_to_none=True)
+
+    # Warm-up: the first compile in a process also pays for lazy imports; take it on a tiny model.
+    tiny = wide_case(4, 2)
+    torch._dynamo.reset()
+    floor_compiled(tiny.model, tiny.step, tiny.batch, tiny.second_batch, tiny.terms, tiny.scenarios)
+
+    times = interleaved({"probe": probe, "floor": floor, "naive": naive}, reps, before=fresh)
+    fresh()
+    fm = out["fm"]
+    info = fm.variant(COMPILED)
+    tensors, scalars = size_of(case.model)
+    return {
+        "model": case.name,
+        "tensors": tensors,
+        "scalars": scalars,
+        "scenarios": len(case.scenarios),
+        "reps": reps,
+        "best": best(times),
+        "all": times,
+        "probe_compile_count": info.compile_count,
+        "probe_graphs": info.graphs,
+        "probe_errors": [r.error.message for r in fm.runs if r.error is not None],
+        "floor_graphs": out["floor_graphs"],
+        "naive_per_scenario": out["naive_per_scenario"],
+        "naive_compiles": sum(1 for g in out["naive_per_scenario"] if g),
+        "naive_graphs": sum(out["naive_per_scenario"]),
+        "naive_unique_graphs": out["naive_unique_graphs"],
+        "scenario_names": [name for name, _ in case.scenarios],
+        "patterns": [
+            tuple(float_weights(case.terms, on).values()) for _, on in case.scenarios
+        ],
+        "agree": same_reach(out["naive_reached"], fm, COMPILED),
+        "specialize_float": bool(torch._dynamo.config.specialize_float),
+        "automatic_dynamic_shapes": bool(torch._dynamo.config.automatic_dynamic_shapes),
+    }
+
+
+def sync_counts(case: Case) -> dict[str, Any]:
+    spec = case.spec
+    gradprobe.probe(spec)  # warm-up outside the counter
+    with SyncCounter() as probe_syncs:
+        gradprobe.probe(spec)
+    with SyncCounter() as naive_syncs:
+        naive_eager(case.model, case.step, case.batch, case.terms, case.scenarios)
+    case.model.zero_grad(set_to_none=True)
+    k = len(case.scenarios)
+    tensors, scalars = size_of(case.model)
+    return {
+        "model": case.name,
+        "tensors": tensors,
+        "scalars": scalars,
+        "probe_per_scenario": probe_syncs.total / k,
+        "naive_per_scenario": naive_syncs.total / k,
+        "probe_counts": dict(probe_syncs.counts),
+        "naive_counts": dict(naive_syncs.counts),
+    }
+
+
+def memory_run(kind: str, branches: int, width: int) -> dict[str, Any]:
+    cmd = [sys.executable, str(HERE / "memory_worker.py"), kind, str(branches), str(width)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memory_and_map(branches: tuple[int, ...], width: int) -> list[dict[str, Any]]:
+    configs = [(n, width) for n in branches] + [(branches[0], 2 * width)]  # last: 4x the scalars
+    jobs = [(kind, n, w) for n, w in configs for kind in ("step", "probe")]
+    # Two workers at a time: only memory is measured in them, not time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: memory_run(*j), jobs))
+    rows = []
+    for n, w in configs:
+        step = next(r for r in results if r["kind"] == "step" and (r["branches"], r["width"]) == (n, w))
+        probe = next(r for r in results if r["kind"] == "probe" and (r["branches"], r["width"]) == (n, w))
+        rows.append(
+            {
+                "branches": n,
+                "width": w,
+                "tensors": probe["tensors"],
+                "scalars": probe["scalars"],
+                "param_mb": probe["param_mb"],
+                "step_extra_mb": step["extra_mb"],
+                "probe_extra_mb": probe["extra_mb"],
+                "map_chars": probe["map_chars"],
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def print_eager(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<22}{'tensors':>8}{'scalars':>9}{'probe s':>10}{'naive s':>10}{'floor s':>10}"
+          f"{'naive/probe':>13}{'agree':>7}")  # fmt: skip
+    for r in rows:
+        b = r["best"]
+        print(
+            f"{r['model']:<22}{r['tensors']:>8}{fmt_n(r['scalars']):>9}{b['probe']:>10.4f}{b['naive']:>10.4f}"
+            f"{b['floor']:>10.4f}{b['naive'] / b['probe']:>12.2f}x{'yes' if r['agree'] else 'NO':>7}"
+        )
+    print("naive/probe: how many times faster the probe is than the naive loop (min of interleaved runs);")
+    print("agree: the naive loop finds the same non-zero parameters per scenario as the probe.")
+
+
+def print_floor(rows: list[dict[str, Any]], compiled: dict[str, Any]) -> None:
+    print(f"{'path':<10}{'model':<22}{'probe s':>10}{'floor s':>10}{'probe/floor':>13}")
+    for r in rows:
+        b = r["best"]
+        print(f"{'eager':<10}{r['model']:<22}{b['probe']:>10.4f}{b['floor']:>10.4f}{b['probe'] / b['floor']:>12.2f}x")
+    b = compiled["best"]
+    print(f"{'compiled':<10}{compiled['model']:<22}{b['probe']:>10.3f}{b['floor']:>10.3f}"
+          f"{b['probe'] / b['floor']:>12.2f}x")  # fmt: skip
+    k = compiled["scenarios"]
+    print(f"eager floor: one forward + {k} autograd.grad (retain_graph), nothing else.")
+    print(f"compiled floor: make_fx (detach->alias) + torch.compile(aot_eager) once, then {k}+1 forward and")
+    print(f"backward passes ({k} scenarios + the second batch). Compiled variant: {COMPILED}.")
+
+
+def print_compiles(c: dict[str, Any]) -> None:
+    b = c["best"]
+    print(f"model: {c['model']}, {c['scenarios']} scenarios, torch {torch.__version__}, "
+          f"dynamo specialize_float={c['specialize_float']}, automatic_dynamic_shapes={c['automatic_dynamic_shapes']}")  # fmt: skip
+    print(f"{'contender':<44}{'compiles':>9}{'graphs':>8}{'best s':>9}")
+    print(f"{'gradprobe ' + COMPILED:<44}{c['probe_compile_count']:>9}{c['probe_graphs']:>8}{b['probe']:>9.3f}")
+    print(f"{'floor (0-dim tensor weights)':<44}{1:>9}{c['floor_graphs']:>8}{b['floor']:>9.3f}")
+    print(f"{'naive loop (Python-float weights)':<44}{c['naive_compiles']:>9}{c['naive_graphs']:>8}{b['naive']:>9.3f}")
+    print("naive loop, graphs compiled per scenario (weights as passed):")
+    for name, pattern, g in zip(c["scenario_names"], c["patterns"], c["naive_per_scenario"], strict=True):
+        print(f"  {name:<14} weights {pattern}: {g} graph(s){'' if g else ' (no recompile)'}")
+    distinct = len(set(c["patterns"]))
+    print(f"{distinct} distinct weight patterns -> {c['naive_compiles']} compiles "
+          f"(dynamo counters unique_graphs: {c['naive_unique_graphs']}); the probe: 1 compile for all.")  # fmt: skip
+    print(f"speedup of the compiled probe over the naive compiled loop: {b['naive'] / b['probe']:.2f}x "
+          f"(agree on reached parameters: {'yes' if c['agree'] else 'NO'})")  # fmt: skip
+    print("compiles = runs during which the backend compiled something; graphs = graphs handed to the backend.")
+    if c["probe_errors"]:
+        print(f"probe run errors: {c['probe_errors']}")
+
+
+def print_syncs(rows: list[dict[str, Any]], base_tensors: int) -> None:
+    print(f"{'model':<26}{'tensors':>8}{'scale':>7}{'probe/scen':>12}{'naive/scen':>12}  probe syncs by op")
+    for r in rows:
+        scale = f"{r['tensors'] / base_tensors:.0f}x" if r["model"].startswith("wide") else ""
+        ops = ", ".join(f"{k}: {v}" for k, v in sorted(r["probe_counts"].items()))
+        print(f"{r['model']:<26}{r['tensors']:>8}{scale:>7}{r['probe_per_scenario']:>12.2f}"
+              f"{r['naive_per_scenario']:>12.2f}  {ops}")  # fmt: skip
+    print("counted: calls that sync on a GPU (see benchmarks/syncs.py), per scenario = total / scenarios.")
+
+
+def print_memory(rows: list[dict[str, Any]]) -> None:
+    print(f"{'tensors':>8}{'scalars':>9}{'params MB':>10}{'step +MB':>10}{'probe +MB':>11}{'probe/step':>11}"
+          f"{'map chars':>11}{'chars/tensor':>14}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['tensors']:>8}{fmt_n(r['scalars']):>9}{r['param_mb']:>10.1f}{r['step_extra_mb']:>10.1f}"
+            f"{r['probe_extra_mb']:>11.1f}{r['probe_extra_mb'] / max(r['step_extra_mb'], 1e-9):>10.2f}x"
+            f"{r['map_chars']:>11}{r['map_chars'] / r['tensors']:>14.1f}"
+        )
+    print("+MB: peak RSS added by one run over the process after setup (fresh process per run). The last row")
+    print("has the first row's tensor count with 4x the scalars per tensor.")
+
+
+def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
+    out = []
+    for r in res["eager"]:
+        b = r["best"]
+        ratio = b["probe"] / b["floor"]
+        out.append((ratio <= 1.3, f"eager probe <= 1.3 x floor on {r['model']}: {ratio:.2f}x"))
+        out.append((b["probe"] < b["naive"], f"eager probe below the naive loop on {r['model']}: "
+                    f"{b['probe']:.4f}s vs {b['naive']:.4f}s ({b['naive'] / b['probe']:.2f}x faster)"))  # fmt: skip
+    c = res["compiled"]
+    out.append((c["probe_compile_count"] == 1, f"compiled probe compiles once for all {c['scenarios']} scenarios on "
+                f"{c['model']}: {c['probe_compile_count']} (naive loop: {c['naive_compiles']})"))  # fmt: skip
+    speedup = c["best"]["naive"] / c["best"]["probe"]
+    need = c["naive_compiles"] / 1.5
+    out.append((speedup >= need, f"compiled probe speedup over the naive loop >= naive compiles / 1.5 on {c['model']}: "
+                f"{speedup:.2f}x vs {need:.2f}x needed"))  # fmt: skip
+    wide = [r for r in res["syncs"] if r["model"].startswith("wide")]
+    per = [r["probe_per_scenario"] for r in wide]
+    out.append((len(set(per)) == 1, "probe host syncs per scenario constant in the number of parameter tensors: "
+                + ", ".join(f"{r['tensors']}: {r['probe_per_scenario']:.2f}" for r in wide)))  # fmt: skip
+    mem = res["memory"]
+    per_tensor = [m["map_chars"] / m["tensors"] for m in mem[:-1]]
+    spread = max(per_tensor) / min(per_tensor)
+    scalars_ratio = mem[-1]["map_chars"] / mem[0]["map_chars"]
+    ok = spread <= 1.1 and abs(scalars_ratio - 1) <= 0.05
+    out.append((ok, "flow-map size proportional to parameter tensors: chars/tensor "
+                + ", ".join(f"{x:.0f}" for x in per_tensor)
+                + f" (spread {spread:.3f}); 4x scalars at fixed tensors: size x{scalars_ratio:.3f}"))  # fmt: skip
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run with tiny sizes (a few seconds)")
+    parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    print(f"gradprobe {gradprobe.__version__} benchmark{' (--quick: tiny sizes, numbers meaningless)' if args.quick else ''}")
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, "
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+
+    res: dict[str, Any] = {"quick": args.quick, "torch": torch.__version__}
+    ref = reference_case()
+    wide = wide_case(**cfg["wide"])
+    res["eager"] = [
+        eager_timings(ref, cfg["eager_reps_reference"]),
+        eager_timings(wide, cfg["eager_reps_wide"]),
+    ]
+    del wide
+
+    header("1. probe vs naive loop (eager)")
+    print_eager(res["eager"])
+
+    compiled_case = ref if cfg["compiled_model"] == "reference" else wide_case(4, 2)
+    res["compiled"] = compiled_timings(compiled_case, cfg["compiled_reps"])
+
+    header("2. probe vs floor")
+    print_floor(res["eager"], res["compiled"])
+
+    header("3. compiles per compiled variant")
+    print_compiles(res["compiled"])
+
+    header("4. host syncs per scenario")
+    base = 2 * cfg["sync_branches"][0]
+    res["syncs"] = [sync_counts(ref)] + [sync_counts(wide_case(n, cfg["sync_width"])) for n in cfg["sync_branches"]]
+    print_syncs(res["syncs"], base)
+
+    header("5. memory and flow-map size")
+    res["memory"] = memory_and_map(cfg["memory_branches"], cfg["memory_width"])
+    print_memory(res["memory"])
+
+    header("requirements")
+    checks = requirements(res)
+    for ok, text in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    res["requirements"] = [{"pass": ok, "text": text} for ok, text in checks]
+    print(f"\ntotal {time.perf_counter() - start:.0f}s, load average {os.getloadavg()[0]:.2f}")
+    if args.json:
+        for r in res["eager"] + [res["compiled"]]:
+            r.pop("fm", None)
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
