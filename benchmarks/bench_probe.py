@@ -35,7 +35,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import gradprobe  # noqa: E402
 from baselines import (  # noqa: E402
     default_scenarios,
     float_weights,
@@ -44,10 +43,12 @@ from baselines import (  # noqa: E402
     naive_compiled,
     naive_eager,
 )
-from gradprobe.zoo import reference_spec  # noqa: E402
 from syncs import SyncCounter  # noqa: E402
 from timing import best, interleaved  # noqa: E402
 from wide_model import TERMS, make_wide, size_of, wide_step  # noqa: E402
+
+import gradprobe  # noqa: E402
+from gradprobe.zoo import reference_spec  # noqa: E402
 
 COMPILED = "make_fx[detach=alias]+compile:aot_eager"
 
@@ -59,8 +60,8 @@ FULL = {
     "compiled_reps": 3,
     "sync_branches": (128, 512, 2048),
     "sync_width": 16,
-    "memory_branches": (128, 512, 2048),
-    "memory_width": 128,
+    # (branches, width): 1x, 4x, 16x the tensors at the same scalars per tensor, then 4x the scalars.
+    "memory_configs": [(128, 128), (512, 128), (2048, 128), (128, 256)],
 }
 QUICK = {
     "eager_reps_reference": 3,
@@ -70,8 +71,7 @@ QUICK = {
     "compiled_reps": 1,
     "sync_branches": (4, 16, 64),
     "sync_width": 4,
-    "memory_branches": (4, 16, 64),
-    "memory_width": 8,
+    "memory_configs": [(64, 32)],
 }
 
 
@@ -91,7 +91,11 @@ class Case:
         # The model instance, not a factory: model construction is not gradprobe's cost and is not
         # timed for the baselines either. Everything else probe() does is timed.
         return gradprobe.ProbeSpec(
-            model=self.model, step=self.step, batch=self.batch, second_batch=self.second_batch, terms=self.terms
+            model=self.model,
+            step=self.step,
+            batch=self.batch,
+            second_batch=self.second_batch,
+            terms=self.terms,
         )
 
     @property
@@ -102,7 +106,9 @@ class Case:
 def reference_case() -> Case:
     spec = reference_spec()  # float64, CPU, terms energy/force/virial
     model = spec.model() if not isinstance(spec.model, torch.nn.Module) else spec.model
-    return Case("reference potential", model, spec.step, spec.batch, spec.second_batch, list(spec.terms or ()))
+    return Case(
+        "reference potential", model, spec.step, spec.batch, spec.second_batch, list(spec.terms or ())
+    )
 
 
 def wide_case(n_branches: int, width: int, n_big: int = 0, big_dim: int = 0, batch_size: int = 8) -> Case:
@@ -206,9 +212,7 @@ def compiled_timings(case: Case, reps: int) -> dict[str, Any]:
         "naive_graphs": sum(out["naive_per_scenario"]),
         "naive_unique_graphs": out["naive_unique_graphs"],
         "scenario_names": [name for name, _ in case.scenarios],
-        "patterns": [
-            tuple(float_weights(case.terms, on).values()) for _, on in case.scenarios
-        ],
+        "patterns": [tuple(float_weights(case.terms, on).values()) for _, on in case.scenarios],
         "agree": same_reach(out["naive_reached"], fm, COMPILED),
         "specialize_float": bool(torch._dynamo.config.specialize_float),
         "automatic_dynamic_shapes": bool(torch._dynamo.config.automatic_dynamic_shapes),
@@ -219,7 +223,7 @@ def sync_counts(case: Case) -> dict[str, Any]:
     spec = case.spec
     gradprobe.probe(spec)  # warm-up outside the counter
     with SyncCounter() as probe_syncs:
-        gradprobe.probe(spec)
+        fm = gradprobe.probe(spec)
     with SyncCounter() as naive_syncs:
         naive_eager(case.model, case.step, case.batch, case.terms, case.scenarios)
     case.model.zero_grad(set_to_none=True)
@@ -233,6 +237,17 @@ def sync_counts(case: Case) -> dict[str, Any]:
         "naive_per_scenario": naive_syncs.total / k,
         "probe_counts": dict(probe_syncs.counts),
         "naive_counts": dict(naive_syncs.counts),
+        "map_chars": len(fm.to_json()),
+    }
+
+
+def map_size(case: Case) -> dict[str, Any]:
+    tensors, scalars = size_of(case.model)
+    return {
+        "model": case.name,
+        "tensors": tensors,
+        "scalars": scalars,
+        "map_chars": len(gradprobe.probe(case.spec).to_json()),
     }
 
 
@@ -244,8 +259,7 @@ def memory_run(kind: str, branches: int, width: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def memory_and_map(branches: tuple[int, ...], width: int) -> list[dict[str, Any]]:
-    configs = [(n, width) for n in branches] + [(branches[0], 2 * width)]  # last: 4x the scalars
+def memory(configs: list[tuple[int, int]]) -> list[dict[str, Any]]:
     jobs = [(kind, n, w) for n, w in configs for kind in ("step", "probe")]
     # Two workers at a time: only memory is measured in them, not time.
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -263,7 +277,6 @@ def memory_and_map(branches: tuple[int, ...], width: int) -> list[dict[str, Any]
                 "param_mb": probe["param_mb"],
                 "step_extra_mb": step["extra_mb"],
                 "probe_extra_mb": probe["extra_mb"],
-                "map_chars": probe["map_chars"],
             }
         )
     return rows
@@ -289,7 +302,9 @@ def print_floor(rows: list[dict[str, Any]], compiled: dict[str, Any]) -> None:
     print(f"{'path':<10}{'model':<22}{'probe s':>10}{'floor s':>10}{'probe/floor':>13}")
     for r in rows:
         b = r["best"]
-        print(f"{'eager':<10}{r['model']:<22}{b['probe']:>10.4f}{b['floor']:>10.4f}{b['probe'] / b['floor']:>12.2f}x")
+        print(
+            f"{'eager':<10}{r['model']:<22}{b['probe']:>10.4f}{b['floor']:>10.4f}{b['probe'] / b['floor']:>12.2f}x"
+        )
     b = compiled["best"]
     print(f"{'compiled':<10}{compiled['model']:<22}{b['probe']:>10.3f}{b['floor']:>10.3f}"
           f"{b['probe'] / b['floor']:>12.2f}x")  # fmt: skip
@@ -304,9 +319,13 @@ def print_compiles(c: dict[str, Any]) -> None:
     print(f"model: {c['model']}, {c['scenarios']} scenarios, torch {torch.__version__}, "
           f"dynamo specialize_float={c['specialize_float']}, automatic_dynamic_shapes={c['automatic_dynamic_shapes']}")  # fmt: skip
     print(f"{'contender':<44}{'compiles':>9}{'graphs':>8}{'best s':>9}")
-    print(f"{'gradprobe ' + COMPILED:<44}{c['probe_compile_count']:>9}{c['probe_graphs']:>8}{b['probe']:>9.3f}")
+    print(
+        f"{'gradprobe ' + COMPILED:<44}{c['probe_compile_count']:>9}{c['probe_graphs']:>8}{b['probe']:>9.3f}"
+    )
     print(f"{'floor (0-dim tensor weights)':<44}{1:>9}{c['floor_graphs']:>8}{b['floor']:>9.3f}")
-    print(f"{'naive loop (Python-float weights)':<44}{c['naive_compiles']:>9}{c['naive_graphs']:>8}{b['naive']:>9.3f}")
+    print(
+        f"{'naive loop (Python-float weights)':<44}{c['naive_compiles']:>9}{c['naive_graphs']:>8}{b['naive']:>9.3f}"
+    )
     print("naive loop, graphs compiled per scenario (weights as passed):")
     for name, pattern, g in zip(c["scenario_names"], c["patterns"], c["naive_per_scenario"], strict=True):
         print(f"  {name:<14} weights {pattern}: {g} graph(s){'' if g else ' (no recompile)'}")
@@ -315,7 +334,9 @@ def print_compiles(c: dict[str, Any]) -> None:
           f"(dynamo counters unique_graphs: {c['naive_unique_graphs']}); the probe: 1 compile for all.")  # fmt: skip
     print(f"speedup of the compiled probe over the naive compiled loop: {b['naive'] / b['probe']:.2f}x "
           f"(agree on reached parameters: {'yes' if c['agree'] else 'NO'})")  # fmt: skip
-    print("compiles = runs during which the backend compiled something; graphs = graphs handed to the backend.")
+    print(
+        "compiles = runs during which the backend compiled something; graphs = graphs handed to the backend."
+    )
     if c["probe_errors"]:
         print(f"probe run errors: {c['probe_errors']}")
 
@@ -331,16 +352,24 @@ def print_syncs(rows: list[dict[str, Any]], base_tensors: int) -> None:
 
 
 def print_memory(rows: list[dict[str, Any]]) -> None:
-    print(f"{'tensors':>8}{'scalars':>9}{'params MB':>10}{'step +MB':>10}{'probe +MB':>11}{'probe/step':>11}"
-          f"{'map chars':>11}{'chars/tensor':>14}")  # fmt: skip
+    print(f"{'tensors':>8}{'scalars':>9}{'params MB':>10}{'step +MB':>10}{'probe +MB':>11}{'probe/step':>11}")
     for r in rows:
+        ratio = f"{r['probe_extra_mb'] / r['step_extra_mb']:.2f}x" if r["step_extra_mb"] >= 1 else "n/a"
         print(
             f"{r['tensors']:>8}{fmt_n(r['scalars']):>9}{r['param_mb']:>10.1f}{r['step_extra_mb']:>10.1f}"
-            f"{r['probe_extra_mb']:>11.1f}{r['probe_extra_mb'] / max(r['step_extra_mb'], 1e-9):>10.2f}x"
-            f"{r['map_chars']:>11}{r['map_chars'] / r['tensors']:>14.1f}"
+            f"{r['probe_extra_mb']:>11.1f}{ratio:>11}"
         )
-    print("+MB: peak RSS added by one run over the process after setup (fresh process per run). The last row")
-    print("has the first row's tensor count with 4x the scalars per tensor.")
+    print("+MB: peak RSS one run adds over its process after setup (a fresh process per run; see")
+    print("benchmarks/memory_worker.py). step: zero_grad, forward, total of all terms, backward, SGD step.")
+
+
+def print_maps(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<26}{'tensors':>8}{'scalars':>9}{'map chars':>11}{'chars/tensor':>14}")
+    for r in rows:
+        print(f"{r['model']:<26}{r['tensors']:>8}{fmt_n(r['scalars']):>9}{r['map_chars']:>11}"
+              f"{r['map_chars'] / r['tensors']:>14.1f}")  # fmt: skip
+    print("map chars: len(fm.to_json()) of the eager probe. The last row has the first wide row's tensor")
+    print("count with 4x the scalars per tensor.")
 
 
 def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
@@ -362,26 +391,30 @@ def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
     per = [r["probe_per_scenario"] for r in wide]
     out.append((len(set(per)) == 1, "probe host syncs per scenario constant in the number of parameter tensors: "
                 + ", ".join(f"{r['tensors']}: {r['probe_per_scenario']:.2f}" for r in wide)))  # fmt: skip
-    mem = res["memory"]
-    per_tensor = [m["map_chars"] / m["tensors"] for m in mem[:-1]]
+    maps = res["maps"]
+    per_tensor = [m["map_chars"] / m["tensors"] for m in maps[:-1]]
     spread = max(per_tensor) / min(per_tensor)
-    scalars_ratio = mem[-1]["map_chars"] / mem[0]["map_chars"]
+    scalars_ratio = maps[-1]["map_chars"] / maps[0]["map_chars"]
     ok = spread <= 1.1 and abs(scalars_ratio - 1) <= 0.05
-    out.append((ok, "flow-map size proportional to parameter tensors: chars/tensor "
-                + ", ".join(f"{x:.0f}" for x in per_tensor)
-                + f" (spread {spread:.3f}); 4x scalars at fixed tensors: size x{scalars_ratio:.3f}"))  # fmt: skip
+    out.append((ok, "flow-map size proportional to parameter tensors (chars/tensor within 10%): "
+                + ", ".join(f"{m['tensors']}: {x:.0f}" for m, x in zip(maps, per_tensor, strict=False))
+                + f"; 4x scalars at fixed tensors (within 5%): size x{scalars_ratio:.3f}"))  # fmt: skip
     return out
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run with tiny sizes (a few seconds)")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
     args = parser.parse_args()
     cfg = QUICK if args.quick else FULL
     torch.set_num_threads(1)
     start = time.perf_counter()
-    print(f"gradprobe {gradprobe.__version__} benchmark{' (--quick: tiny sizes, numbers meaningless)' if args.quick else ''}")
+    print(
+        f"gradprobe {gradprobe.__version__} benchmark{' (--quick: tiny sizes, numbers meaningless)' if args.quick else ''}"
+    )
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
 
@@ -408,12 +441,18 @@ def main() -> int:
 
     header("4. host syncs per scenario")
     base = 2 * cfg["sync_branches"][0]
-    res["syncs"] = [sync_counts(ref)] + [sync_counts(wide_case(n, cfg["sync_width"])) for n in cfg["sync_branches"]]
+    res["syncs"] = [sync_counts(ref)] + [
+        sync_counts(wide_case(n, cfg["sync_width"])) for n in cfg["sync_branches"]
+    ]
     print_syncs(res["syncs"], base)
 
     header("5. memory and flow-map size")
-    res["memory"] = memory_and_map(cfg["memory_branches"], cfg["memory_width"])
+    res["memory"] = memory(cfg["memory_configs"])
     print_memory(res["memory"])
+    print()
+    more = map_size(wide_case(cfg["sync_branches"][0], 2 * cfg["sync_width"]))  # 4x the scalars per tensor
+    res["maps"] = [r for r in res["syncs"] if r["model"].startswith("wide")] + [more]
+    print_maps(res["maps"])
 
     header("requirements")
     checks = requirements(res)

@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gradprobe  # noqa: E402
-from wide_model import TERMS, make_wide, size_of, wide_step  # noqa: E402
+from wide_model import TERMS, make_wide, size_of, wide_step
+
+import gradprobe
 
 
 def _status_kb(field: str) -> int:

@@ -208,7 +208,7 @@ def training_check(
             with torch.no_grad():
                 for p, p0 in zip(params, start, strict=True):
                     p.copy_(p0)
-            optimizer = _optimizer(spec, params)
+            optimizer = _optimizer(spec, params, copy_model)
             curve: list[float] = []
             try:
                 if built.error is not None:
@@ -244,7 +244,7 @@ def training_check(
     }
     return {
         "steps": steps,
-        "optimizer": type(_optimizer(spec, [torch.zeros(1, requires_grad=True)])).__name__,
+        "optimizer": type(_optimizer(spec, params, copy_model)).__name__,
         "curves": curves,
         "verdicts": verdicts,
         "errors": errors,
@@ -253,14 +253,16 @@ def training_check(
     }
 
 
-def _optimizer(spec: ProbeSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def _optimizer(spec: ProbeSpec, params: list[torch.Tensor], model: torch.nn.Module) -> torch.optim.Optimizer:
+    from .balance import call_optimizer_factory
+
     opt = spec.optimizer
     if opt is None:
         return torch.optim.Adam(params, lr=1e-3)
     if isinstance(opt, torch.optim.Optimizer):
         # A fresh optimizer of the user's kind and hyperparameters: the user's own is never stepped.
         return type(opt)(params, **opt.defaults)
-    return opt(params)
+    return call_optimizer_factory(opt, params, model)
 
 
 def _trend(curve: list[float]) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import __version__
+from .balance import balance_report
 from .batch import check_devices, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
@@ -78,7 +79,7 @@ class _Measured:
     results: list[Measurement]
 
 
-CHECKS = ("physics", "shapes", "training")
+CHECKS = ("physics", "shapes", "training", "balance")
 
 
 def _is_plain_eager(v: VariantSpec) -> bool:
@@ -216,6 +217,15 @@ def run_probe(
             )
         if "physics" in checks:
             results_of_checks["physics"] = physics_check(spec, model, spec.batch)
+        if "balance" in checks:
+            results_of_checks["balance"] = balance_report(
+                spec,
+                model,
+                trainable_names,
+                scenarios,
+                ref_results,
+                _terms_caller(spec, model, mode, terms, batch),
+            )
         if "training" in checks:
             results_of_checks["training"] = training_check(
                 spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
@@ -256,6 +266,18 @@ def _compare_per_term(results: list[Measurement], reference: Mapping[str, Measur
         if ref is not None and m.norms is not None and ref.norms is not None:
             m.rel_errors = [None if a is None else 0.0 for a in m.norms]
     return results
+
+
+def _terms_caller(spec: ProbeSpec, model: torch.nn.Module, mode: str, terms: list[str], batch: Any) -> Any:
+    """A call returning the step's term values (weights mode: all weights on)."""
+
+    def call() -> Any:
+        if mode == "terms":
+            return spec.step(model, batch)
+        out = spec.step(model, batch, make_weights(terms, terms, next(model.parameters())))
+        return out[1] if isinstance(out, tuple) else {}
+
+    return call
 
 
 def _compiles(results: list[Measurement]) -> int:

@@ -39,7 +39,9 @@ class ProbeSpec:
         second_batch: a batch of the same shapes and other values (catches traced graphs that froze
             trace-time tensors).
         other_shapes_batch: a batch of other shapes (catches graphs locked onto the first shapes).
-        optimizer: an optimizer, or a factory ``params -> optimizer``, for training checks.
+        optimizer: an optimizer, or a factory ``params -> optimizer``, for training checks and the
+            optimizer audit (never stepped: checks use fresh ones on copies).
+        clip_grad_norm: the ``max_norm`` the user clips gradients to, if any (balance check).
         energy_fn: ``energy_fn(model, batch) -> energies`` (one per frame), a plain function of the
             batch's coordinates (``batch[coord_key]``) and cell (``batch[box_key]``), for physics checks.
         predict: ``predict(model, batch) -> {"force": ..., "virial": ...}``, the model's own forces
@@ -66,6 +68,7 @@ class ProbeSpec:
     second_batch: Any = None
     other_shapes_batch: Any = None
     optimizer: Any = None
+    clip_grad_norm: float | None = None
     energy_fn: Callable[..., torch.Tensor] | None = None
     predict: Callable[..., Mapping[str, torch.Tensor]] | None = None
     coord_key: str = "coord"

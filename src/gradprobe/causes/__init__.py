@@ -13,6 +13,7 @@ from collections.abc import Callable
 from ..flowmap import Finding, FlowMap
 from . import (
     backend_drops,
+    balance_causes,
     double_backward,
     flow_mismatch,
     ghost_force_slice,
@@ -43,6 +44,7 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
     ghost_force_slice.detect,
     norm_mismatch.detect,
     shape_locked.detect,
+    balance_causes.detect,
 )
 GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
     run_failed.detect,

@@ -265,6 +265,26 @@ def check_lines(fm: FlowMap) -> list[str]:
             f"{len(entry['mismatched'])} gradient(s) differ" if entry["mismatched"] else "matches eager"
         )
         lines.append(f"shape sweep, {v}: {result}")
+    b = checks.get("balance")
+    if b:
+        groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
+        width = max(len("term"), *(len(t) for t in b["shares"])) + 2
+        cols = [max(len(g), 7) + 2 for g in groups]
+        lines.append("balance: share of each group's gradient norm, by term (at the step's prefactors):")
+        lines.append(
+            "  " + "term".ljust(width) + "".join(g.ljust(w) for g, w in zip(groups, cols, strict=True))
+        )
+        for term, shares in b["shares"].items():
+            cells = [f"{shares[g]:.1%}" if b["norms"][term][g] > 0 else "-" for g in groups]
+            lines.append(
+                "  " + term.ljust(width) + "".join(c.ljust(w) for c, w in zip(cells, cols, strict=True))
+            )
+        update = (b.get("effective_update") or {}).get("terms") or {}
+        if update:
+            lines.append(
+                f"  one {b['effective_update']['optimizer']} step, each term alone vs all together (cosine): "
+                + ", ".join(f"{t} {u['cosine_with_joint']:.2f}" for t, u in update.items())
+            )
     t = checks.get("training")
     if t:
         lines.append(f"training ({t['steps']} {t['optimizer']} steps per term, on a copy):")

@@ -26,6 +26,10 @@ class ZooBug:
     mode: str = "terms"  # step contract
     model_family: str = "potential"  # which zoo model carries it: potential | multitask
     checks: tuple[str, ...] = ()  # verification checks whose evidence names it (the demo runs them)
+    prefactors: dict[str, float] | None = None  # loss prefactors the user trains with
+    optimizer: str | None = None  # "filter": a parameter filter drops a group; "lr0": a group with lr 0
+    clip_grad_norm: float | None = None
+    conflict: bool = False  # a second energy term with inconsistent reference energies
 
 
 BUGS: dict[str, ZooBug] = {
@@ -79,6 +83,37 @@ BUGS: dict[str, ZooBug] = {
             "the user's own trainer path (a registered variant) computes the virial loss without the "
             "per-atom normalisation",
             variants="eager,zoo-trainer",
+        ),
+        ZooBug(
+            "term-dominated",
+            "the force prefactor is 1e-6 of the energy's",
+            prefactors={"energy": 1.0, "force": 1e-6},
+            checks=("balance",),
+        ),
+        ZooBug(
+            "not-in-optimizer",
+            "the optimizer is built with a parameter filter that leaves fitting.layer2 out",
+            optimizer="filter",
+            checks=("balance",),
+        ),
+        ZooBug(
+            "zero-learning-rate",
+            "the fitting net's optimizer group has learning rate 0 (a frozen-by-lr fine-tuning setup left on)",
+            optimizer="lr0",
+            checks=("balance",),
+        ),
+        ZooBug(
+            "clip-swallows-term",
+            "gradients are clipped to max_norm 1 while the energy prefactor is 1e4: the energy sets the clip",
+            prefactors={"energy": 1e4},
+            clip_grad_norm=1.0,
+            checks=("balance",),
+        ),
+        ZooBug(
+            "terms-conflict",
+            "two energy terms from data sources with inconsistent reference energies (labels 2 eV/atom apart)",
+            conflict=True,
+            checks=("balance",),
         ),
         ZooBug(
             "ghost-force-slice",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Literal
 
@@ -40,6 +41,37 @@ def weights_step(
     terms = terms_step(model, batch, prefactors=prefactors)
     total = torch.stack([weights[name] * value for name, value in terms.items()]).sum()
     return total, terms
+
+
+def conflict_step(model: ReferencePotential, batch: dict[str, torch.Tensor], *,
+                  prefactors: Prefactors = DEFAULT_PREFACTORS) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The terms-conflict bug: two energy terms whose reference energies disagree by 4 eV/atom."""
+    pred = model(batch["coord"], batch["atype"], batch["box"])
+    terms = mlip_loss(pred, batch, prefactors)
+    natoms = batch["atype"].shape[1]
+    shift = 2.0 * natoms
+    for name, sign in (("energy", -1.0), ("energy_b", 1.0)):
+        terms[name] = (
+            prefactors.energy * (((pred["energy"] - batch["energy"] - sign * shift) / natoms) ** 2).mean()
+        )
+    return {k: terms[k] for k in ("energy", "energy_b", "force", "virial") if k in terms}
+
+
+def _optimizer(kind: str | None) -> Any:
+    """The optimizer factory the "user" trains with (the not-in-optimizer and zero-lr bugs)."""
+    if kind == "filter":
+        return lambda model: torch.optim.Adam(
+            [p for n, p in model.named_parameters() if not n.startswith("fitting.layer2")], lr=1e-3
+        )
+    if kind == "lr0":
+
+        def two_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+            fitting = [p for n, p in model.named_parameters() if n.startswith("fitting.")]
+            rest = [p for n, p in model.named_parameters() if not n.startswith("fitting.")]
+            return torch.optim.Adam([{"params": fitting, "lr": 0.0}, {"params": rest}], lr=1e-3)
+
+        return two_groups
+    return lambda params: torch.optim.Adam(params, lr=1e-3)
 
 
 def reference_energy(model: ReferencePotential, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -100,7 +132,12 @@ def reference_spec(
         nframes + 1, natoms + 2, seed=seed + 2, dtype=dtype, device=device, with_virial=with_virial
     )
     terms = ["energy", "force", "virial"] if with_virial else ["energy", "force"]
-    step: Any = functools.partial(terms_step if mode == "terms" else weights_step, prefactors=prefactors)
+    if injected is not None and injected.conflict:
+        terms.insert(1, "energy_b")
+    if injected is not None and injected.prefactors:
+        prefactors = dataclasses.replace(prefactors, **injected.prefactors)
+    terms_fn = conflict_step if injected is not None and injected.conflict else terms_step
+    step: Any = functools.partial(terms_fn if mode == "terms" else weights_step, prefactors=prefactors)
     return ProbeSpec(
         model=factory,
         step=step,
@@ -109,7 +146,8 @@ def reference_spec(
         other_shapes_batch=other,
         terms=terms,
         mode=mode,
-        optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+        optimizer=_optimizer(injected.optimizer if injected is not None else None),
+        clip_grad_norm=injected.clip_grad_norm if injected is not None else None,
         energy_fn=reference_energy,
         predict=reference_predict,
         notes=REFERENCE_NOTES,

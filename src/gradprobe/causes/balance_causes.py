@@ -1,0 +1,85 @@
+"""Why a reached term still stays flat (evidence: the balance check, ``checks=["balance"]``).
+
+term-dominated (warning): a term's share of every group it reaches is below 1 %.
+terms-conflict (warning): two terms' gradients point in opposite directions (cosine < -0.5).
+not-in-optimizer (error): parameters a term reaches are in no optimizer group (a parameter filter).
+zero-learning-rate (error): parameters a term reaches are in a group with lr 0.
+frozen-but-needed (warning): a term would reach parameters that are frozen.
+clip-swallows-term (error): gradient clipping, set by another term's norm, shrinks a term's update 100×.
+"""
+
+from __future__ import annotations
+
+from ..flowmap import Finding, FlowMap
+from .common import names
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    b = fm.checks.get("balance")
+    if not b:
+        return []
+    out = []
+    for d in b["dominated"]:
+        out.append(Finding(
+            "term-dominated", "warning",
+            f"term {d['term']} is drowned by {d['by']}: at most {d['share']:.2%} of the gradient in every group it "
+            f"reaches (best: {d['group']}), so it barely moves the parameters",
+            evidence={"dominated": d, "shares": {t: b["shares"][t] for t in (d["term"], d["by"])}},
+            location={"term": d["term"], "group": d["group"]},
+            fix=f"multiply the {d['term']} prefactor by about {d['prefactor_factor']:.3g} (for a 10% share in "
+            f"{d['group']}), or lower {d['by']}'s; with a prefactor schedule, check the values at the current step",
+        ))  # fmt: skip
+    for c in b["conflicts"]:
+        if c["cosine"] >= -0.5:
+            continue
+        bad = [g for g, cos in c["groups"].items() if cos < -0.5]
+        a, z = c["terms"]
+        out.append(Finding(
+            "terms-conflict", "warning",
+            f"terms {a} and {z} pull the shared parameters in opposite directions (cosine {c['cosine']:.2f}; "
+            f"in {', '.join(bad)})",
+            evidence={"conflict": c},
+            location={"terms": c["terms"], "groups": bad},
+            fix="check that the two terms' labels are consistent (units, reference energies, sign conventions); "
+            "if the conflict is real, weigh or schedule them (or use a multi-task gradient method)",
+        ))  # fmt: skip
+    opt = b.get("optimizer") or {}
+    for key, cause, what in (
+        ("not_in_optimizer", "not-in-optimizer", "are in no optimizer parameter group"),
+        ("zero_lr", "zero-learning-rate", "are in an optimizer group with learning rate 0"),
+    ):
+        found = opt.get(key) or {}
+        if found:
+            terms = sorted({t for ts in found.values() for t in ts})
+            out.append(Finding(
+                cause, "error",
+                f"{len(found)} parameter(s) that {', '.join(terms)} reach {what}: {names(list(found))} — "
+                "their gradients are computed and thrown away",
+                evidence={"parameters": list(found), "terms": terms},
+                location={"parameters": list(found)},
+                fix="build the optimizer from model.parameters() (check parameter filters and groups), and "
+                "give every group a non-zero learning rate",
+            ))  # fmt: skip
+    for t, ps in (b.get("frozen") or {}).items():
+        out.append(Finding(
+            "frozen-but-needed", "warning",
+            f"term {t} would reach {len(ps)} frozen parameter(s): {names(ps)}",
+            evidence={"term": t, "parameters": ps},
+            location={"parameters": ps},
+            fix="unfreeze them (requires_grad_(True)) if the term should train them",
+        ))  # fmt: skip
+    clip = b.get("clipping")
+    if clip:
+        for t, c in clip["terms"].items():
+            if c["relative_update"] < 0.01:
+                top = max(clip["terms"], key=lambda u: clip["terms"][u]["norm"])
+                out.append(Finding(
+                    "clip-swallows-term", "error",
+                    f"clip_grad_norm(max_norm={clip['max_norm']:g}) scales the joint gradient by {clip['scale']:.2g} "
+                    f"(total norm {clip['total_norm']:.3g}, set by {top}): {t}'s update is "
+                    f"{c['relative_update']:.2g}× what it would be alone",
+                    evidence={"clipping": clip, "term": t},
+                    location={"term": t},
+                    fix=f"raise max_norm, clip per term, or rebalance the prefactors so {top} does not set the clip",
+                ))  # fmt: skip
+    return out
