@@ -415,6 +415,7 @@ def main() -> int:
     print(
         f"gradprobe {gradprobe.__version__} benchmark{' (--quick: tiny sizes, numbers meaningless)' if args.quick else ''}"
     )
+    print(f"gradprobe from {Path(gradprobe.__file__).parent}")
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .optim import call_optimizer_factory, fresh_optimizer
 from .scenarios import Scenario
 from .spec import ProbeSpec
 
@@ -131,18 +132,6 @@ def _conflicts(
     return out
 
 
-def call_optimizer_factory(factory: Any, params: list[torch.Tensor], model: torch.nn.Module) -> Any:
-    """``factory(params)``, or ``factory(model)`` when its first parameter is named ``model`` (filters
-    by parameter name need the names)."""
-    import inspect
-
-    try:
-        first = next(iter(inspect.signature(factory).parameters), "")
-    except (TypeError, ValueError):
-        first = ""
-    return factory(model) if first == "model" else factory(params)
-
-
 def _optimizer_instance(
     spec: ProbeSpec, params: list[torch.Tensor], model: torch.nn.Module
 ) -> torch.optim.Optimizer | None:
@@ -231,7 +220,7 @@ def _effective_update(
         with torch.no_grad():
             for p, p0 in zip(params, start, strict=True):
                 p.copy_(p0)
-        opt = _optimizer_instance_fresh(spec, params, copy_model)
+        opt = fresh_optimizer(spec, params, copy_model)
         for p, g in zip(params, grad_list, strict=True):
             p.grad = None if g is None else g.detach().clone()
         opt.step()
@@ -255,15 +244,4 @@ def _effective_update(
             "norm_alone": na,
             "norm_joint": nj,
         }
-    return {"optimizer": type(_optimizer_instance_fresh(spec, params, copy_model)).__name__, "terms": out}
-
-
-def _optimizer_instance_fresh(
-    spec: ProbeSpec, params: list[torch.Tensor], model: torch.nn.Module
-) -> torch.optim.Optimizer:
-    opt = spec.optimizer
-    if opt is None:
-        return torch.optim.Adam(params, lr=1e-3)
-    if isinstance(opt, torch.optim.Optimizer):
-        return type(opt)(params, **opt.defaults)
-    return call_optimizer_factory(opt, params, model)
+    return {"optimizer": type(fresh_optimizer(spec, params, copy_model)).__name__, "terms": out}

@@ -24,6 +24,7 @@ from .build import VariantContext, build
 from .compare import consistency_tolerance
 from .errors import SpecError
 from .measure import run_error
+from .optim import fresh_optimizer
 from .scenarios import Scenario
 from .spec import ProbeSpec
 from .state import reseed
@@ -208,7 +209,7 @@ def training_check(
             with torch.no_grad():
                 for p, p0 in zip(params, start, strict=True):
                     p.copy_(p0)
-            optimizer = _optimizer(spec, params, copy_model)
+            optimizer = fresh_optimizer(spec, params, copy_model)
             curve: list[float] = []
             try:
                 if built.error is not None:
@@ -244,25 +245,13 @@ def training_check(
     }
     return {
         "steps": steps,
-        "optimizer": type(_optimizer(spec, params, copy_model)).__name__,
+        "optimizer": type(fresh_optimizer(spec, params, copy_model)).__name__,
         "curves": curves,
         "verdicts": verdicts,
         "errors": errors,
         "divergence_from_reference": divergence,
         "passed": all(v == "decreases" for vs in verdicts.values() for v in vs.values()),
     }
-
-
-def _optimizer(spec: ProbeSpec, params: list[torch.Tensor], model: torch.nn.Module) -> torch.optim.Optimizer:
-    from .balance import call_optimizer_factory
-
-    opt = spec.optimizer
-    if opt is None:
-        return torch.optim.Adam(params, lr=1e-3)
-    if isinstance(opt, torch.optim.Optimizer):
-        # A fresh optimizer of the user's kind and hyperparameters: the user's own is never stepped.
-        return type(opt)(params, **opt.defaults)
-    return call_optimizer_factory(opt, params, model)
 
 
 def _trend(curve: list[float]) -> str:

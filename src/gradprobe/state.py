@@ -1,7 +1,11 @@
 """Leave the user's objects exactly as found: parameters, ``.grad``, ``requires_grad``, train/eval mode,
-buffers, RNG streams and grad mode are saved before a probe and restored after it, even on error.
+buffers, RNG streams, grad mode and the global torch settings a step or a compile may change (default
+dtype, deterministic algorithms, anomaly mode, float32 matmul precision, ``torch.autograd.grad``, and the
+dynamo / inductor / functorch / compiler config values) are saved before a probe and restored after it,
+even on error and on ``KeyboardInterrupt`` (which is re-raised, never recorded).
 
-Cost: one copy of the parameters and buffers (on their own device) for the duration of the probe.
+Cost: one copy of the parameters and buffers (on their own device) for the duration of the probe, and
+a copy of the already imported compiler config modules (about a millisecond).
 """
 
 from __future__ import annotations
@@ -132,18 +136,91 @@ def _restore_rng(state: _RngState) -> None:
         sys.modules["numpy"].random.set_state(state.numpy)
 
 
+# Config modules restored value by value when already imported before the probe (a compile imports
+# them; a step may set e.g. ``torch._dynamo.config.recompile_limit``; gradprobe itself only patches
+# ``torch._inductor.config.fallback_random`` inside a context manager).
+CONFIG_MODULES = (
+    "torch._dynamo.config",
+    "torch._inductor.config",
+    "torch._functorch.config",
+    "torch.compiler.config",
+)
+
+
+@dataclass
+class _Settings:
+    grad_enabled: bool
+    default_dtype: torch.dtype
+    deterministic: tuple[bool, bool]  # enabled, warn_only
+    anomaly: tuple[bool, bool]  # enabled, check_nan
+    matmul_precision: str
+    autograd_grad: Any
+    configs: list[tuple[Any, dict[str, Any]]]
+
+
+def _snapshot_settings() -> _Settings:
+    configs = []
+    for name in CONFIG_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "get_config_copy"):
+            configs.append((module, module.get_config_copy()))
+    return _Settings(
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        torch.get_float32_matmul_precision(),
+        torch.autograd.grad,
+        configs,
+    )
+
+
+def _restore_settings(state: _Settings) -> None:
+    torch.set_grad_enabled(state.grad_enabled)
+    if torch.get_default_dtype() != state.default_dtype:
+        torch.set_default_dtype(state.default_dtype)
+    now = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if now != state.deterministic:
+        torch.use_deterministic_algorithms(state.deterministic[0], warn_only=state.deterministic[1])
+    if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != state.anomaly:
+        torch.autograd.set_detect_anomaly(*state.anomaly)
+    if torch.get_float32_matmul_precision() != state.matmul_precision:
+        torch.set_float32_matmul_precision(state.matmul_precision)
+    if torch.autograd.grad is not state.autograd_grad:
+        torch.autograd.grad = state.autograd_grad
+    for module, saved in state.configs:
+        current = module.get_config_copy()
+        for key, value in saved.items():
+            if key in current and current[key] != value:
+                setattr(module, key, value)
+
+
 @contextmanager
 def preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Run the body, then put the model, the RNG streams and grad mode back as they were."""
+    """Run the body, then put the model, the RNG streams and the global settings back as they were."""
     model_state = _snapshot_model(model)
     rng_state = _snapshot_rng()
-    grad_enabled = torch.is_grad_enabled()
+    settings = _snapshot_settings()
     try:
         yield
     finally:
-        torch.set_grad_enabled(grad_enabled)
-        _restore_rng(rng_state)
-        _restore_model(model_state)
+        # Each part is restored even if another fails. A failure to restore is raised after all ran,
+        # unless the body is already raising (its exception, a KeyboardInterrupt say, goes on).
+        errors: list[BaseException] = []
+        for restore, state in (
+            (_restore_settings, settings),
+            (_restore_rng, rng_state),
+            (_restore_model, model_state),
+        ):
+            try:
+                restore(state)  # type: ignore[operator]
+            except Exception as e:
+                errors.append(e)
+        if errors and sys.exc_info()[1] is None:
+            raise errors[0]
 
 
 def reseed(seed: int) -> None:
