@@ -52,7 +52,9 @@ def test_clipping_that_swallows_terms(zoo_map):
     assert causes(fm, "error") == ["clip-swallows-term", "clip-swallows-term"]
     swallowed = {f.evidence["term"] for f in finding(fm, "clip-swallows-term")}
     assert swallowed == {"force", "virial"}
-    assert fm.checks["balance"]["clipping"]["terms"]["energy"]["relative_update"] == pytest.approx(1.0, rel=1e-2)
+    assert fm.checks["balance"]["clipping"]["terms"]["energy"]["relative_update"] == pytest.approx(
+        1.0, rel=1e-2
+    )
 
 
 def test_conflicting_terms(zoo_map):

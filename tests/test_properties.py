@@ -109,15 +109,17 @@ def _uncut_path(nodes: tuple[Node, ...], k: int) -> bool:
 @st.composite
 def configs(draw: st.DrawFn) -> Config:
     n_modules = draw(st.integers(1, 4))
-    frozen = tuple(
-        (draw(st.integers(0, 3)) == 3, draw(st.integers(0, 3)) == 3) for _ in range(n_modules)
-    )
+    frozen = tuple((draw(st.integers(0, 3)) == 3, draw(st.integers(0, 3)) == 3) for _ in range(n_modules))
     if all(all(f) for f in frozen):  # gradprobe refuses a model without trainable parameters
         frozen = ((frozen[0][0], False), *frozen[1:])
     nodes: list[Node] = []
     for i in range(draw(st.integers(1, 6))):
         nodes.append(
-            Node(draw(st.integers(0, n_modules - 1)), draw(st.integers(-1, i - 1)), draw(st.sampled_from(EDGES)))
+            Node(
+                draw(st.integers(0, n_modules - 1)),
+                draw(st.integers(-1, i - 1)),
+                draw(st.sampled_from(EDGES)),
+            )
         )
     node_t = tuple(nodes)
     reachable = [k for k in range(len(node_t)) if _uncut_path(node_t, k)]
@@ -128,7 +130,10 @@ def configs(draw: st.DrawFn) -> Config:
             terms.append(Term(f"t{t}", second=(draw(st.sampled_from(reachable)), coefficient)))
         else:
             picked = draw(st.lists(st.integers(0, len(node_t) - 1), min_size=1, max_size=3, unique=True))
-            parts = [(k, coefficient if j == 0 else draw(st.sampled_from(COEFFICIENTS))) for j, k in enumerate(picked)]
+            parts = [
+                (k, coefficient if j == 0 else draw(st.sampled_from(COEFFICIENTS)))
+                for j, k in enumerate(picked)
+            ]
             terms.append(Term(f"t{t}", parts=tuple(parts)))
     second = any(t.second is not None for t in terms)
     return Config(frozen, node_t, tuple(terms), second or draw(st.booleans()), draw(st.integers(0, 2**16)))
@@ -142,8 +147,8 @@ _EDGE_CODE = {
     "no_grad": "with torch.no_grad(): t = {src} * 1.0",
     # tanh + 2 lies in (1, 3): the cast gives 1 or 2, never a zero input
     "int_cast": "t = ({src}.tanh() + 2).long().double()",
-    "item": "t = torch.tensor({src}.abs().mean().item() + 0.5, dtype=torch.float64).expand(%d, %d)"
-    % (ROWS, WIDTH),
+    "item": "t = torch.tensor({src}.abs().mean().item() + 0.5, dtype=torch.float64)"
+    + f".expand({ROWS}, {WIDTH})",
 }
 
 
@@ -192,7 +197,12 @@ def generate(cfg: Config) -> Generated:
         else:
             expr = " + ".join(f"{c!r} * h[{k}].sum()" for k, c in term.parts)
         lines.append(f'    terms["{term.name}"] = {expr}')
-    lines += ["    return terms", "", "def weights_step(model, batch, weights):", "    terms = step(model, batch)"]
+    lines += [
+        "    return terms",
+        "",
+        "def weights_step(model, batch, weights):",
+        "    terms = step(model, batch)",
+    ]
     first = cfg.terms[0].name
     lines.append(f'    total = weights["{first}"] * terms["{first}"]')
     for term in cfg.terms[1:]:
@@ -297,7 +307,9 @@ def scenario_expectations(cfg: Config, expected: Expected, mode: str) -> dict[st
             if not live:
                 out[scenario] = None
                 continue
-            out[scenario] = {p: combine(*(expected.flows[t][p] for t in live)) for p in expected.flows[names[0]]}
+            out[scenario] = {
+                p: combine(*(expected.flows[t][p] for t in live)) for p in expected.flows[names[0]]
+            }
         else:
             # One backward of sum(w_t * term_t): a term weighted by an exact 0 still has its graph, so
             # what only switched-off terms reach reads zero, not none.
@@ -352,7 +364,9 @@ def check_model(cfg: Config) -> None:
         check_flow_map(fm, cfg, expected, "weights")
         breaks = locate_breaks(gen.model, lambda: gen.step(gen.model, gen.batch))
     found = {(b.kind, b.line): b for b in breaks}
-    assert set(found) == set(expected.breaks), f"locator {sorted(found)} != construction {sorted(expected.breaks)}"
+    assert set(found) == set(expected.breaks), (
+        f"locator {sorted(found)} != construction {sorted(expected.breaks)}"
+    )
     for key, brk in found.items():
         assert brk.file == gen.file
         assert brk.code == linecache.getline(gen.file, brk.line).strip()
@@ -449,7 +463,9 @@ BROKEN: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "tiny-as-zero": lambda mp: mp.setattr(
         gradprobe.status, "status_of", _tiny_is_zero(gradprobe.status.status_of)
     ),
-    "l2-squared": lambda mp: mp.setattr(gradprobe.measure, "reduce_grads", _l2_squared(gradprobe.measure.reduce_grads)),
+    "l2-squared": lambda mp: mp.setattr(
+        gradprobe.measure, "reduce_grads", _l2_squared(gradprobe.measure.reduce_grads)
+    ),
 }
 
 

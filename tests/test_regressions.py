@@ -5,7 +5,9 @@ import pytest
 from gradprobe.testing import Snapshot, assert_grad_flow, flow_changes
 from gradprobe.zoo.bugs import BUGS
 
-CHECKS = {"ghost-force-slice": ("physics",)}
+# Balance findings that are warnings by design (the clean potential has a force/virial conflict at
+# initialisation): their own tests in test_balance.py assert them.
+WARNING_ONLY = {"term-dominated", "terms-conflict"}
 
 
 def test_clean_reference_passes_the_guard(zoo_map):
@@ -17,9 +19,9 @@ def test_clean_reference_passes_the_guard(zoo_map):
     )
 
 
-@pytest.mark.parametrize("bug", list(BUGS))
+@pytest.mark.parametrize("bug", [b for b in BUGS if b not in WARNING_ONLY])
 def test_guard_fails_on_each_injected_bug(bug, zoo_map):
-    fm = zoo_map(bug, checks=CHECKS.get(bug, ()))
+    fm = zoo_map(bug, checks=BUGS[bug].checks)
     with pytest.raises(AssertionError, match="gradient flow broken") as info:
         assert_grad_flow(fm)
     assert bug in str(info.value)  # the message names the cause

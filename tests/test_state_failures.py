@@ -29,7 +29,9 @@ from gradprobe import state
 
 CONFIG_MODULES = [sys.modules[name] for name in state.CONFIG_MODULES if name in sys.modules]
 GLOBAL_HOOKS = [  # _global_forward_hooks, _global_backward_hooks, ... (the dicts of handles)
-    name for name in dir(module_globals) if name.startswith("_global_") and isinstance(getattr(module_globals, name), dict)
+    name
+    for name in dir(module_globals)
+    if name.startswith("_global_") and isinstance(getattr(module_globals, name), dict)
 ]
 
 
@@ -101,10 +103,12 @@ def model_state(model: nn.Module) -> dict[str, Any]:
         "buffers": {n: b.clone() for n, b in model.named_buffers()},
         "buffer_objects": {n: id(b) for n, b in model.named_buffers()},
         "hooks": {
-            n: [list(getattr(m, h).items()) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                       "_backward_pre_hooks")]
+            n: [
+                list(getattr(m, h).items())
+                for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+            ]
             for n, m in model.named_modules()
-        },  # fmt: skip
+        },
     }
 
 
@@ -243,7 +247,9 @@ def test_a_variant_that_fails_to_compile_is_recorded_and_nothing_changes(world):
         torch._dynamo.graph_break()  # fullgraph=true refuses this
         return t
 
-    fm = gradprobe.probe(world.model, step, BATCH, terms=["a", "b"], variants="eager,compile:eager[fullgraph=true]")
+    fm = gradprobe.probe(
+        world.model, step, BATCH, terms=["a", "b"], variants="eager,compile:eager[fullgraph=true]"
+    )
     world.assert_unchanged()
     runs = [r for r in fm.runs if r.variant == "compile:eager[fullgraph=true]"]
     assert runs and all(r.error is not None and r.error.stage == "compile" for r in runs)
@@ -289,7 +295,7 @@ KI_CASES: dict[str, tuple[dict[str, Any], Callable[[bool, Any, int], bool]]] = {
     "eager forward": ({}, lambda copy, b, n: n == 1),
     "weights-mode 2nd scenario": ({"mode": "weights"}, lambda copy, b, n: n == 2),
     "compiled run": ({"variants": "eager,compile:eager"}, lambda copy, b, n: n == 2),
-    "compiled run, 3rd scenario": ({"variants": "eager,compile:aot_eager"}, lambda copy, b, n: n == 4),
+    "compiled run, 3rd scenario": ({"variants": "eager,compile:eager"}, lambda copy, b, n: n == 4),
     "make_fx tracing": ({"variants": "eager,make_fx"}, lambda copy, b, n: n == 2),
     # the locator's TorchFunctionMode (and its global module hooks, its autograd.grad patch) is active
     "locator": ({"diagnose": True}, lambda copy, b, n: torch._C._len_torch_function_stack() > 0),
@@ -321,7 +327,9 @@ def test_keyboard_interrupt_propagates_and_nothing_changes(world, case):
         return weights["a"] * t["a"] + weights["b"] * t["b"]
 
     with pytest.raises(KeyboardInterrupt):
-        gradprobe.probe(world.model, step if mode == "terms" else weights_step, BATCH, terms=["a", "b"], **options)
+        gradprobe.probe(
+            world.model, step if mode == "terms" else weights_step, BATCH, terms=["a", "b"], **options
+        )
     assert interrupt.raised
     world.assert_unchanged()
     assert _debug_get_cache_entry_list(step.__code__) == []
@@ -368,7 +376,9 @@ def test_keyboard_interrupt_while_a_backend_compiles_propagates(world, monkeypat
         return terms_of(model, batch)
 
     with pytest.raises(KeyboardInterrupt):
-        gradprobe.probe(world.model, step, BATCH, terms=["a", "b"], variants="eager,compile:gradprobe_test_interrupt")
+        gradprobe.probe(
+            world.model, step, BATCH, terms=["a", "b"], variants="eager,compile:gradprobe_test_interrupt"
+        )
     world.assert_unchanged()
     assert _debug_get_cache_entry_list(step.__code__) == []
 
@@ -420,7 +430,9 @@ def test_settings_are_restored_even_when_the_world_was_unusual(world):
     finally:
         torch.set_default_dtype(torch.float32)
         torch.use_deterministic_algorithms(False)
-        torch._dynamo.config.recompile_limit = world.before["configs"]["torch._dynamo.config"]["recompile_limit"]
+        torch._dynamo.config.recompile_limit = world.before["configs"]["torch._dynamo.config"][
+            "recompile_limit"
+        ]
 
 
 # ---------------------------------------------------------------------------- the user's dynamo caches
@@ -433,14 +445,16 @@ def test_compiled_variants_leave_the_users_dynamo_caches_empty(world):
         torch._dynamo.graph_break()
         return {"a": a.pow(2).mean(), "b": b.pow(2).mean()}
 
-    for user_step in (step, breaking_step):
-        fm = gradprobe.probe(world.model, user_step, BATCH, terms=["a", "b"],
-                             variants="eager,compile:eager,compile:aot_eager,make_fx+compile:aot_eager")  # fmt: skip
+    for user_step, variants in (
+        (step, "eager,compile:eager,make_fx+compile:eager"),
+        (breaking_step, "eager,compile:eager"),
+    ):
+        fm = gradprobe.probe(world.model, user_step, BATCH, terms=["a", "b"], variants=variants)
         assert all(r.error is None for r in fm.runs), [r.error for r in fm.runs]
         assert _debug_get_cache_entry_list(user_step.__code__) == []
         world.assert_unchanged()
         # The user compiles the same step afterwards: it compiles (one entry) and runs like eager.
-        compiled = torch.compile(user_step, backend="aot_eager")
+        compiled = torch.compile(user_step, backend="eager")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             got = compiled(world.model, BATCH)
@@ -476,3 +490,33 @@ def test_training_check_never_steps_the_users_optimizer(world):
     for k, s in buffers.items():
         for n, v in s.items():
             assert torch.equal(after["state"][k][n], v), (k, n)
+
+
+# ---------------------------------------------------------------------------- how often the step runs
+@pytest.mark.parametrize(
+    ("options", "calls"),
+    [
+        ({}, 1),  # eager, terms mode: one forward, one gradient per term
+        ({"mode": "weights"}, 3),  # one run per scenario: a only, b only, all
+        ({"variants": "eager,make_fx"}, 2),  # + one trace (the traced graph runs without Python)
+        ({"variants": "eager,compile:eager"}, 4),  # + one run per scenario of the compiled step
+        ({"variants": "eager,make_fx", "second_batch": SECOND_BATCH}, 3),  # + eager on the second batch
+    ],
+    ids=["eager", "weights", "make_fx", "compile", "second-batch"],
+)
+def test_how_often_the_users_step_runs(world, options, calls):
+    options = dict(options)
+    counter = Calls()
+
+    def step(model, batch):
+        counter.bump()
+        return terms_of(model, batch)
+
+    def weights_step(model, batch, weights):
+        t = step(model, batch)
+        return weights["a"] * t["a"] + weights["b"] * t["b"]
+
+    the_step = weights_step if options.pop("mode", "terms") == "weights" else step
+    gradprobe.probe(world.model, the_step, BATCH, terms=["a", "b"], **options)
+    assert counter.n == calls
+    world.assert_unchanged()

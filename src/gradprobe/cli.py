@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     run.add_argument("--device", help="passed to FUNCTION as device= if it takes one")
     run.add_argument("--dtype", choices=DTYPES, help="passed to FUNCTION as dtype= if it takes one")
+    run.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="probe N ranks under torch.distributed (relaunches through torch.distributed.run; gloo on CPU, "
+        "NCCL for CUDA tensors): each rank calls FUNCTION (with rank= and world_size= if it takes them) for "
+        "its own batch; rank 0 prints the merged report and writes the files",
+    )
 
     report = sub.add_parser(
         "report",
@@ -161,8 +170,11 @@ def _report(
     show_all: bool,
     html_path: str | None = None,
     markdown_path: str | None = None,
+    extra: str = "",
 ) -> int:
     sys.stdout.write(render(fm, show_all=show_all))
+    if extra:
+        sys.stdout.write("\n" + extra)
     if json_path:
         fm.to_json(json_path)
         sys.stdout.write(f"\nflow map written to {json_path}\n")
@@ -209,9 +221,120 @@ def _diff_saved(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if d.changed else EXIT_OK
 
 
+STATUS_FILE_ENV = "GRADPROBE_STATUS_FILE"
+DISTRIBUTED_ENV = "GRADPROBE_DISTRIBUTED"
+
+
+def _is_rank() -> bool:
+    """This process is a rank of ``gradprobe run --nproc N``: started by torch.distributed.run with
+    ``GRADPROBE_DISTRIBUTED=1`` (set by the relaunch, or by hand around one's own torchrun command).
+    Another program's torchrun environment inherited by a plain ``gradprobe run`` does not count."""
+    return (
+        os.environ.get(DISTRIBUTED_ENV) == "1"
+        and "TORCHELASTIC_RUN_ID" in os.environ
+        and "RANK" in os.environ
+    )
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` less ``--nproc N``: the ranks know they are ranks from torchrun's environment, and
+    torchrun's own parser would take ``--nproc`` for an abbreviation of its ``--nproc-per-node``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith("--np") and "--nproc".startswith(a):
+            skip = True
+        elif not (a.startswith("--np") and "=" in a and "--nproc".startswith(a.split("=", 1)[0])):
+            out.append(a)
+    return out
+
+
+def _relaunch(nproc: int, argv: Sequence[str]) -> int:
+    """``gradprobe run ... --nproc N``: the same command in N ranks through torch.distributed.run.
+
+    The ranks' output passes through; the exit status is rank 0's, which it leaves in a file (the
+    ranks themselves exit 0 so that torchrun does not report them as failed).
+    """
+    import socket
+    import subprocess
+    import tempfile
+
+    if nproc < 1:
+        raise SpecError(f"--nproc must be at least 1, got {nproc}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="gradprobe-") as tmp:
+        status = Path(tmp) / "status"
+        env = {**os.environ, STATUS_FILE_ENV: str(status), DISTRIBUTED_ENV: "1"}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "gradprobe", *_without_nproc(argv),
+        ]  # fmt: skip
+        sys.stdout.flush()
+        rc = subprocess.run(cmd, env=env, check=False).returncode
+        if status.is_file():
+            return int(status.read_text().strip() or EXIT_USAGE)
+    sys.stderr.write(
+        f"gradprobe: error: the {nproc}-rank run failed before rank 0 finished "
+        f"(torch.distributed.run exit status {rc})\n"
+    )
+    return EXIT_USAGE
+
+
+def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool) -> int:
+    """One rank of ``gradprobe run --nproc N``: every rank probes, rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import _attempt, _gather_or_raise, init_from_env, probe_distributed, render_ranks
+
+    created = init_from_env()
+    rank = dist.get_rank()
+    code = EXIT_USAGE
+    try:
+        device = args.device
+        if device is None and torch.cuda.is_available():
+            device = f"cuda:{torch.cuda.current_device()}"
+        spec, error = _attempt(
+            lambda: load_spec(
+                args.target,
+                device=device,
+                dtype=_dtype(args.dtype),
+                rank=rank,
+                world_size=dist.get_world_size(),
+            )
+        )
+        _gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
+        fm = probe_distributed(
+            spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks
+        )
+        if rank == 0:
+            code = _report(fm, args.json, args.all, args.html, args.markdown, extra=render_ranks(fm))
+        else:
+            code = fm.exit_code
+    except GradProbeError as e:
+        if rank == 0:
+            sys.stderr.write(f"gradprobe: error: {e}\n")
+        code = EXIT_USAGE
+    finally:
+        status = os.environ.get(STATUS_FILE_ENV)
+        if rank == 0 and status:
+            Path(status).write_text(f"{code}\n")
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    return EXIT_OK if os.environ.get(STATUS_FILE_ENV) else code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "run" and args.nproc is not None and not _is_rank():
+            return _relaunch(args.nproc, argv)
         if args.command == "report":
             return _report_saved(args)
         if args.command == "diff":
@@ -240,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.bug is not None:
                 args.check = ",".join([args.check, *BUGS[args.bug].checks])
         else:
+            if _is_rank():
+                checks = [c.strip() for c in args.check.split(",") if c.strip()]
+                return _distributed_run(args, checks, diagnose)
             spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
         checks = [c.strip() for c in args.check.split(",") if c.strip()]
         fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -99,12 +99,22 @@ def init_from_env(backend: str | None = None) -> bool:
 # ----- wrappers: DDP, FSDP2 -----------------------------------------------------------------------
 
 
+def _dtensor_type() -> type | None:
+    """``DTensor``, if its module is loaded: a model cannot hold one otherwise (importing it costs
+    seconds, so it is not imported here)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
 def _is_fsdp2(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    module = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(module, "FSDPModule", None)  # FSDP2; absent in old torch, unloaded if unused
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
 
 
 def _unwrap(model: torch.nn.Module) -> tuple[str, torch.nn.Module, torch.nn.Module | None]:
@@ -113,6 +123,13 @@ def _unwrap(model: torch.nn.Module) -> tuple[str, torch.nn.Module, torch.nn.Modu
 
     if isinstance(model, DistributedDataParallel):
         return "ddp", model.module, model
+    fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if fsdp1 is not None and isinstance(model, fsdp1):
+        raise SpecError(
+            "the model is wrapped in FullyShardedDataParallel (FSDP1), whose flat parameters hide the "
+            "model's own: probe the model sharded with torch.distributed.fsdp.fully_shard (FSDP2), wrapped "
+            "in DistributedDataParallel, or unwrapped"
+        )
     if _is_fsdp2(model):
         return "fsdp2", model, None
     return "none", model, None
@@ -147,7 +164,12 @@ def _fsdp_groups(model: torch.nn.Module) -> list[tuple[Any, Any, list[Any]]]:
     return out
 
 
-_GROUP_SETTINGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "reduce_scatter_unused_params")
+_GROUP_SETTINGS = (
+    "post_forward_mesh_info",
+    "reshard_after_backward",
+    "reduce_grads",
+    "reduce_scatter_unused_params",
+)
 
 
 @contextlib.contextmanager
@@ -204,23 +226,31 @@ def _is_plain_eager(v: VariantSpec) -> bool:
 def _gather_or_raise(payload: Any, error: BaseException | None, group: Any) -> list[Any]:
     """all_gather_object of each rank's payload; if any rank failed, every rank raises its message."""
     world = dist.get_world_size(group)
-    item: dict[str, Any] = (
-        {"error": f"{type(error).__name__}: {error}"} if error is not None else {"value": payload}
-    )
+    item: dict[str, Any]
+    if error is None:
+        item = {"value": payload}
+    elif isinstance(error, GradProbeError):
+        item = {"error": str(error)}
+    else:
+        item = {"error": f"{type(error).__name__}: {error}"}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, item, group=group)
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
     if failed:
-        text = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
-        raise GradProbeError(f"the probe failed on {len(failed)} of {world} rank(s): {text}") from error
+        messages = {msg for _, msg in failed}
+        if len(failed) == world and len(messages) == 1:
+            text = f"{messages.pop()} (on every rank)" if world > 1 else messages.pop()
+        else:
+            text = f"failed on {len(failed)} of {world} ranks: " + "; ".join(
+                f"rank {r}: {msg}" for r, msg in failed
+            )
+        raise GradProbeError(text) from error
     return [g["value"] for g in gathered]
 
 
 def _comm_device(params: Sequence[torch.Tensor]) -> torch.device:
-    from torch.distributed.tensor import DTensor
-
     p = params[0]
-    local = p.to_local() if isinstance(p, DTensor) else p
+    local = p.to_local() if _is_dtensor(p) else p
     return local.device if local.device.type != "meta" else torch.device("cpu")
 
 
@@ -251,57 +281,85 @@ def probe_distributed(
     if not isinstance(spec, ProbeSpec):
         raise SpecError(f"probe_distributed takes a gradprobe.ProbeSpec, got {type(spec).__name__}")
     init_from_env()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    world = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    model = resolve_model(spec)
-    kind, inner, ddp = _unwrap(model)
-    mode = spec.resolved_mode()
-    local_spec = replace(spec, model=inner, step=_redirected(spec.step, inner, ddp), mode=mode)
-    parsed = parse_variants(variants or spec.variants or "eager")
+
+    def prepare() -> tuple[Any, ...]:
+        model = resolve_model(spec)
+        kind, inner, ddp = _unwrap(model)
+        mode = spec.resolved_mode()
+        local_spec = replace(spec, model=inner, step=_redirected(spec.step, inner, ddp), mode=mode)
+        return model, kind, inner, ddp, mode, local_spec, parse_variants(variants or spec.variants or "eager")
+
+    prepared, error = _attempt(prepare)
+    _gather_or_raise(None, error, group)  # every rank stops if one cannot build its model or spec
+    model, kind, inner, ddp, mode, local_spec, parsed = prepared
     want_reduced = any(_is_plain_eager(v) for v in parsed)
 
-    # 1. the local flow map of every rank, gathered to every rank
-    start = time.perf_counter()
-    local: FlowMap | None = None
-    error: BaseException | None = None
-    ctx = _fsdp_unsharded(inner) if kind == "fsdp2" else contextlib.nullcontext()
+    # 1. the local flow map of every rank, gathered to every rank (FSDP2: all-gathered parameters)
     reduced: dict[str, tuple[list[str], list[float | None]] | None] = {}
-    try:
-        with ctx:
-            local = probe(local_spec, variants=parsed, reference=reference, diagnose=diagnose, checks=checks)
-            if want_reduced and kind != "fsdp2":
-                kept = _local_gradients(local_spec, inner, mode, local)
-    except Exception as e:
-        error = e
-    gathered = _gather_or_raise(None if local is None else local.to_dict(), error, group)
-    maps = [FlowMap.from_dict(d) for d in gathered]
-    assert local is not None
-    _same_parameters(maps)
-
-    # 2. the reduced gradient of each scenario, eager
-    if want_reduced:
-        params = [p for _, p in inner.named_parameters() if p.requires_grad]
-        device = _comm_device(params)
+    source = None
+    with _fsdp_unsharded(inner) if kind == "fsdp2" else contextlib.nullcontext():
+        local, error = _attempt(
+            lambda: probe(local_spec, variants=parsed, reference=reference, diagnose=diagnose, checks=checks)
+        )
+        gathered = _gather_or_raise(None if local is None else local.to_dict(), error, group)
+        maps = [FlowMap.from_dict(d) for d in gathered]
+        assert local is not None
+        _same_parameters(maps)
         failed = _failed_anywhere(maps)
-        if kind == "fsdp2":
-            reduced = _sharded_reduce(local_spec, model, mode, local, failed, maps, group, device)
-        else:
-            reduced = _allreduce_gradients(kept, params, failed, group, device)
+        # FSDP2 reduces through its own reduce-scatter unless ranks differ in which parameters
+        # have a gradient path: then FSDP's collectives would not match (it would deadlock or abort).
+        sharded = kind == "fsdp2" and not _rank_dependent_paths(maps)
+        if want_reduced and not sharded:
+            # 2a. the reduced gradient of each scenario: local eager gradients, all-reduced
+            params = [p for _, p in inner.named_parameters() if p.requires_grad]
+            kept, error = _attempt(lambda: _local_gradients(local_spec, inner, mode, local))
+            _gather_or_raise(None, error, group)
+            assert kept is not None
+            reduced = _allreduce_gradients(kept, params, failed, group, _comm_device(params))
+            source = "all-reduce of the local gradients"
             del kept
+    if want_reduced and sharded:
+        # 2b. FSDP2: FSDP's own reduce-scatter, sharded gradients combined over ranks
+        params = [p for _, p in inner.named_parameters() if p.requires_grad]
+        reduced = _sharded_reduce(local_spec, model, mode, local, failed, maps, group, _comm_device(params))
+        source = "FSDP2 reduce-scatter (per-shard L1 norms summed, max-abs maxed over ranks)"
 
     # 3. replicated parameter values, compared across ranks
     divergence = _divergence(inner, group, divergence_rtol)
     info = {
         "world_size": world,
         "backend": backend,
-        "rank": rank,
         "wrapper": kind,
         "find_unused_parameters": getattr(ddp, "find_unused_parameters", None),
         "static_graph": getattr(ddp, "static_graph", None),
         "reduce_scatter_unused_params": _fsdp_unused_setting(model) if kind == "fsdp2" else None,
-        "seconds": time.perf_counter() - start,
+        "reduced_by": source,
     }
     return merge_maps(maps, reduced, divergence, info)
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """(result, None), or (None, the exception): every rank must reach the next collective."""
+    try:
+        return fn(), None
+    except Exception as e:
+        return None, e
+
+
+def _rank_dependent_paths(maps: Sequence[FlowMap]) -> bool:
+    """Some parameter has an autograd path on some ranks and none on others (reference variant)."""
+    ref = maps[0].reference
+    for s in maps[0].scenario_names:
+        cells = [m.cells_of(ref, s) for m in maps]
+        if not all(cells):
+            continue
+        for p in maps[0].trainable:
+            none = [c[p].status == NONE for c in cells if p in c]
+            if any(none) and not all(none):
+                return True
+    return False
 
 
 def _same_parameters(maps: Sequence[FlowMap]) -> None:
@@ -400,7 +458,9 @@ def _allreduce_gradients(
 
 
 def _fsdp_unused_setting(model: torch.nn.Module) -> bool | None:
-    values = {getattr(g, "reduce_scatter_unused_params", None) for _, _, gs in _fsdp_groups(model) for g in gs}
+    values = {
+        getattr(g, "reduce_scatter_unused_params", None) for _, _, gs in _fsdp_groups(model) for g in gs
+    }
     values.discard(None)
     return None if not values else all(values)
 
@@ -418,9 +478,9 @@ def _sharded_reduce(
     """FSDP2: one forward and ``backward()`` per scenario through FSDP's own reduce-scatter, then the
     statuses of the sharded gradients combined over ranks: per-shard L1 norms summed, per-shard
     max-abs maxed (NaN and inf counted apart), so an empty or zero shard on one rank does not make a
-    parameter unreached. Unused parameters are reduce-scattered as zeros during the measurement
-    (``set_reduce_scatter_unused_params``), so ranks that differ in what they use cannot deadlock;
-    a parameter with no gradient path on any rank stays ``none``."""
+    parameter unreached. Only run when every rank has a gradient path to the same parameters (FSDP's
+    collectives then match); a parameter with no path on any rank stays ``none`` (FSDP leaves its
+    ``.grad`` unset, or zero with ``reduce_scatter_unused_params``)."""
     from torch.distributed.tensor import DTensor
 
     terms = list(local.terms)
@@ -428,7 +488,6 @@ def _sharded_reduce(
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     names_ = [n for n, _ in named]
-    n = len(params)
     ref = maps[0].reference
     no_path_everywhere = {
         s.name: {p for p in names_ if all(m.cells_of(ref, s.name).get(p) is None
@@ -437,15 +496,18 @@ def _sharded_reduce(
     }  # fmt: skip
     out: dict[str, tuple[list[str], list[float | None]] | None] = {}
     saved_grads = [(p, p.grad) for p in model.parameters()]
-    buffers = [(mod, k, b.detach().clone()) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
+    buffers = [
+        (mod, k, b.detach().clone())
+        for mod in model.modules()
+        for k, b in mod._buffers.items()
+        if b is not None
+    ]
     modes = [(mod, mod.training) for mod in model.modules()]
     rng = _snapshot_rng()
     like = next(p.to_local() if isinstance(p, DTensor) else p for p in params)
     try:
         with _fsdp_settings(model) as groups, torch.enable_grad():
             for m, _, _ in groups:
-                if hasattr(m, "set_reduce_scatter_unused_params"):
-                    m.set_reduce_scatter_unused_params(True, recurse=False)
                 m.set_requires_gradient_sync(True, recurse=False)
             batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
             for s in scenarios:
@@ -526,11 +588,14 @@ def _combine_shards(
 def _divergence(model: torch.nn.Module, group: Any, rtol: float) -> dict[str, Any]:
     """Replicated parameter values compared across ranks: (L1, sum, L2) in float64 per parameter,
     all-gathered; sharded (DTensor) parameters are skipped."""
-    from torch.distributed.tensor import DTensor
-
-    named = [(n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor)]
-    skipped = sum(1 for _, p in model.named_parameters() if isinstance(p, DTensor))
-    result: dict[str, Any] = {"rtol": rtol, "checked": len(named), "skipped_sharded": skipped, "parameters": {}}
+    named = [(n, p) for n, p in model.named_parameters() if not _is_dtensor(p)]
+    skipped = sum(1 for _, p in model.named_parameters() if _is_dtensor(p))
+    result: dict[str, Any] = {
+        "rtol": rtol,
+        "checked": len(named),
+        "skipped_sharded": skipped,
+        "parameters": {},
+    }
     if not named:
         return result
     device = _comm_device([p for _, p in named])
@@ -599,7 +664,9 @@ def merge_maps(
     world = len(maps)
     trainable = list(base.trainable)
     frozen = [p.name for p in base.parameters if not p.requires_grad]
-    plain_eager = {v.name for v in base.variants if v.capture == "eager" and v.backend is None and not v.knobs}
+    plain_eager = {
+        v.name for v in base.variants if v.capture == "eager" and v.backend is None and not v.knobs
+    }
     runs: list[Run] = []
     cells: list[Cell] = []
     for run in base.runs:
@@ -687,10 +754,12 @@ def _rank_detail(maps: Sequence[FlowMap]) -> dict[str, Any]:
                 continue
             cells = [m.cells_of(variant, s) for m in maps]
             ranks[s] = {
-                p: [r for r, c in enumerate(cells) if p in c and c[p].status == NONZERO] for p in base.trainable
+                p: [r for r, c in enumerate(cells) if p in c and c[p].status == NONZERO]
+                for p in base.trainable
             }
             gaps = {
-                p: [r for r, c in enumerate(cells) if p not in c or c[p].status == NONE] for p in base.trainable
+                p: [r for r, c in enumerate(cells) if p not in c or c[p].status == NONE]
+                for p in base.trainable
             }
             no_path[s] = {p: rs for p, rs in gaps.items() if rs}
         return ranks, no_path
@@ -701,9 +770,7 @@ def _rank_detail(maps: Sequence[FlowMap]) -> dict[str, Any]:
         "ranks": ranks,
         "no_path": no_path,
         "reached_per_rank": {
-            s: [len(m.reached(ref, s)) for m in maps]
-            for s in base.scenario_names
-            if s in ranks
+            s: [len(m.reached(ref, s)) for m in maps] for s in base.scenario_names if s in ranks
         },
         "failed": {
             s: [r for r, m in enumerate(maps) if m.run(ref, s).error is not None]
@@ -724,8 +791,10 @@ def _fix_locally_unused(wrapper: str) -> str:
     if wrapper == "fsdp2":
         return (
             "FSDP2: call model.set_reduce_scatter_unused_params(True) so ranks without a gradient "
-            "reduce-scatter zeros (otherwise the reduce-scatters do not match across ranks), or make "
-            "every rank's batch use every branch"
+            "reduce-scatter zeros (otherwise the reduce-scatters do not match across ranks), and do not "
+            "give a module that some ranks skip its own fully_shard (its all-gather would run only on "
+            "the ranks that call it): shard it with its parent. Or make every rank's batch use every "
+            "branch"
         )
     return (
         "wrap with DistributedDataParallel(model, find_unused_parameters=True) (one extra traversal "
@@ -764,32 +833,44 @@ def distributed_findings(fm: FlowMap) -> list[Finding]:
                 }
     if partial:
         params = list(partial)
-        any_no_path = any(e["no_path_on"] for per in partial.values() for e in per.values())
+        # The training loss is the scenario with every term; without one, any scenario may be trained.
+        full = [sc.name for sc in fm.scenarios if set(sc.terms) == set(fm.terms)] or list(ranks)
+        gaps = sorted({s for per in partial.values() for s, e in per.items() if e["no_path_on"]})
+        in_training = [s for s in gaps if s in full]
         handled = (wrapper == "ddp" and d.get("find_unused_parameters")) or (
             wrapper == "fsdp2" and d.get("reduce_scatter_unused_params")
         )
-        severity = "error" if any_no_path and not handled else "info"
-        first = partial[params[0]]
-        s0 = next(iter(first))
+        severity = "info" if handled or not gaps else "error" if in_training else "warning"
+        p0 = next((p for p in params if any(e["no_path_on"] for e in partial[p].values())), params[0])
+        s0 = next((s for s in (*in_training, *gaps) if s in partial[p0]), next(iter(partial[p0])))
+        e0 = partial[p0][s0]
         example = (
-            f"{params[0]} in {s0!r}: reached on rank(s) {_ranks(first[s0]['reached_on'])}, "
-            f"not on rank(s) {_ranks(first[s0]['not_reached_on'])}"
+            f"{p0} in {s0!r}: reached on rank(s) {_ranks(e0['reached_on'])}, "
+            f"not on rank(s) {_ranks(e0['not_reached_on'])}"
         )
-        scenarios = sorted({s for per in partial.values() for s in per})
+        scenarios = [s for s in fm.scenario_names if any(s in per for per in partial.values())]
         message = (
             f"{len(params)} parameter(s) get a gradient on some ranks but not on others: {names(params)} "
             f"({example}; scenarios: {', '.join(scenarios)})"
         )
-        if any_no_path and handled:
+        consequence = (
+            "FSDP2's reduce-scatters do not match across ranks (a deadlock, or a size mismatch error)"
+            if wrapper == "fsdp2"
+            else f"DDP without find_unused_parameters=True fails with {DDP_ERROR!r}"
+        )
+        if gaps and handled:
             message += (
                 " — handled by find_unused_parameters=True"
                 if wrapper == "ddp"
                 else " — handled by reduce_scatter_unused_params"
             )
-        elif any_no_path:
+        elif in_training:
+            message += f". Ranks without an autograd path to them never mark them ready for reduction, so {consequence}"
+        elif gaps:
             message += (
-                f". Ranks without an autograd path to them never mark them ready, so DDP without "
-                f"find_unused_parameters=True fails with {DDP_ERROR!r}"
+                f". Some ranks have no autograd path to them in {', '.join(repr(s) for s in gaps)} only: "
+                f"when training on those terms alone, {consequence}; the loss with every term reaches "
+                "them on every rank"
             )
         else:
             message += (
@@ -835,21 +916,23 @@ def distributed_findings(fm: FlowMap) -> list[Finding]:
                     )
                 if wrapper == "ddp" and d.get("find_unused_parameters"):
                     message += " (find_unused_parameters=True is set)"
-                fix = (
-                    "freeze them (requires_grad_(False)) before wrapping the model, or remove them; "
-                    + (
-                        "FSDP2 otherwise needs set_reduce_scatter_unused_params(True)"
-                        if wrapper == "fsdp2"
-                        else "otherwise DDP needs find_unused_parameters=True (each iteration then "
-                        "traverses the graph to mark them ready)"
-                    )
+                fix = "freeze them (requires_grad_(False)) before wrapping the model, or remove them; " + (
+                    "FSDP2 otherwise needs set_reduce_scatter_unused_params(True)"
+                    if wrapper == "fsdp2"
+                    else "otherwise DDP needs find_unused_parameters=True (each iteration then "
+                    "traverses the graph to mark them ready)"
                 )
                 findings.append(
                     Finding(
                         GLOBALLY_UNUSED,
                         "info" if len(notes) == len(unused) else "warning",
                         message,
-                        evidence={"variant": ref, "parameters": unused, "notes": notes, "no_path": no_path_all},
+                        evidence={
+                            "variant": ref,
+                            "parameters": unused,
+                            "notes": notes,
+                            "no_path": no_path_all,
+                        },
                         location={"modules": sorted({p.rpartition(".")[0] or p for p in unused})},
                         fix=fix,
                     )
@@ -898,7 +981,11 @@ def render_ranks(fm: FlowMap) -> str:
     total = len(fm.trainable)
     head = (
         f"distributed: {world} ranks, backend {d.get('backend')}, wrapper {d.get('wrapper')}"
-        + (f" (find_unused_parameters={d.get('find_unused_parameters')})" if d.get("wrapper") == "ddp" else "")
+        + (
+            f" (find_unused_parameters={d.get('find_unused_parameters')})"
+            if d.get("wrapper") == "ddp"
+            else ""
+        )
         + f"; parameters reached per rank ({d.get('reference')}), merged = reduced gradient:"
     )
     width = max([len(s) for s in per] + [8]) + 2
@@ -914,4 +1001,3 @@ def render_ranks(fm: FlowMap) -> str:
     if off:
         lines.append(f"parameter values differ between ranks: {names(list(off))}")
     return "\n".join(lines) + "\n"
-

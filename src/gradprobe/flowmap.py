@@ -239,117 +239,132 @@ class FlowMap:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FlowMap:
+        """A flow map from its ``to_dict()`` form, validated field by field.
+
+        Anything else (another schema, a newer version, a missing field, a value of the wrong type
+        anywhere, nesting deeper than ``MAX_DEPTH``) raises one ``FlowMapFormatError`` that names the
+        field. Fields this version does not know are ignored (later versions only add fields).
+        """
         if not isinstance(d, Mapping):
-            raise FlowMapFormatError(f"a flow map is a JSON object, got {type(d).__name__}")
-        schema = d.get("schema")
-        if schema != SCHEMA:
-            if isinstance(schema, str) and schema.startswith("gradprobe.flowmap/"):
-                raise FlowMapFormatError(
-                    f"flow map schema {schema!r} is not supported by this gradprobe (reads {SCHEMA!r}): "
-                    "upgrade gradprobe to read it"
-                )
-            raise FlowMapFormatError(f"not a gradprobe flow map: schema is {schema!r}, expected {SCHEMA!r}")
+            raise FlowMapFormatError(
+                f"not a gradprobe flow map: a flow map is a JSON object, got {_json_type(d)}"
+            )
+        _check_schema(d.get("schema"))
+        _check_depth(d)
+        r = _Fields(d, "the flow map")
         try:
             fm = cls(
-                schema=schema,
-                gradprobe_version=str(d.get("gradprobe_version", "")),
-                torch_version=str(d["torch_version"]),
-                device=str(d["device"]),
-                dtype=str(d["dtype"]),
-                mode=str(d["mode"]),
-                terms=tuple(str(t) for t in d["terms"]),
-                scenarios=tuple(ScenarioInfo(s["name"], tuple(s["terms"])) for s in d["scenarios"]),
+                schema=SCHEMA,
+                gradprobe_version=r.text("gradprobe_version", ""),
+                torch_version=r.text("torch_version"),
+                device=r.text("device"),
+                dtype=r.text("dtype"),
+                mode=r.choice("mode", MODES),
+                terms=tuple(r.texts("terms")),
+                scenarios=tuple(
+                    ScenarioInfo(s.text("name"), tuple(s.texts("terms"))) for s in r.objects("scenarios")
+                ),
                 variants=tuple(
                     VariantInfo(
-                        v["name"],
-                        dict(v.get("knobs") or {}),
-                        _error(v.get("error")),
-                        v.get("compile_count"),
-                        float(v.get("seconds", 0.0)),
-                        str(v.get("capture", "eager")),
-                        v.get("backend"),
-                        v.get("graphs"),
-                        v.get("graph_breaks"),
-                        v.get("second_batch"),
-                        v.get("graph"),
+                        v.text("name"),
+                        v.obj("knobs", {}),
+                        v.run_error("error"),
+                        v.count("compile_count"),
+                        v.number("seconds", 0.0),
+                        v.text("capture", "eager"),
+                        v.opt_text("backend"),
+                        v.count("graphs"),
+                        v.count("graph_breaks"),
+                        _second_batch(v),
+                        v.opt_obj("graph"),
                     )
-                    for v in d["variants"]
+                    for v in r.objects("variants")
                 ),
                 runs=tuple(
                     Run(
-                        r["variant"],
-                        r["scenario"],
-                        {k: _float(x) for k, x in (r.get("term_values") or {}).items()},
-                        _float(r.get("total")),
-                        _error(r.get("error")),
-                        float(r.get("seconds", 0.0)),
-                        r.get("compiled_graphs"),
+                        x.text("variant"),
+                        x.text("scenario"),
+                        x.numbers_by_name("term_values"),
+                        x.number("total", None),
+                        x.run_error("error"),
+                        x.number("seconds", 0.0),
+                        x.count("compiled_graphs"),
                     )
-                    for r in d["runs"]
+                    for x in r.objects("runs")
                 ),
                 parameters=tuple(
                     ParameterInfo(
-                        p["name"],
-                        tuple(int(n) for n in p["shape"]),
-                        int(p["numel"]),
-                        bool(p["requires_grad"]),
-                        str(p.get("dtype", "")),
-                        str(p.get("device", "")),
+                        p.text("name"),
+                        tuple(p.sizes("shape")),
+                        p.size("numel"),
+                        p.flag("requires_grad"),
+                        p.text("dtype", ""),
+                        p.text("device", ""),
                     )
-                    for p in d["parameters"]
+                    for p in r.objects("parameters")
                 ),
                 cells=tuple(
                     Cell(
-                        c["variant"],
-                        c["scenario"],
-                        c["parameter"],
-                        _status(c["status"]),
-                        _float(c.get("norm")),
-                        _float(c.get("rel_error")),
-                        _verdict(c.get("verdict")),
+                        c.text("variant"),
+                        c.text("scenario"),
+                        c.text("parameter"),
+                        c.choice("status", STATUSES, what="status"),
+                        c.number("norm", None),
+                        c.number("rel_error", None),
+                        c.opt_choice("verdict", VERDICTS, what="verdict"),
                     )
-                    for c in d["cells"]
+                    for c in r.objects("cells")
                 ),
                 findings=tuple(
                     Finding(
-                        f["cause"],
-                        _severity(f["severity"]),
-                        f["message"],
-                        dict(f.get("evidence") or {}),
-                        f.get("location"),
-                        f.get("fix", ""),
-                        tuple(f.get("references") or ()),
+                        f.text("cause"),
+                        f.choice("severity", SEVERITIES, what="severity"),
+                        f.text("message"),
+                        f.obj("evidence", {}),
+                        _location(f),
+                        f.text("fix", ""),
+                        tuple(f.texts("references", ())),
                     )
-                    for f in d.get("findings", [])
+                    for f in r.objects("findings", ())
                 ),
-                notes=dict(d.get("notes") or {}),
-                reference=str(d.get("reference", "eager")),
-                rtol=_float(d.get("rtol")),
-                warnings=tuple(str(w) for w in d.get("warnings") or ()),
-                bisections=tuple(dict(b) for b in d.get("bisections") or ()),
-                breaks=tuple(dict(b) for b in d.get("breaks") or ()),
-                checks=dict(d.get("checks") or {}),
+                notes=r.texts_by_name("notes"),
+                reference=r.text("reference", "eager"),
+                rtol=r.number("rtol", None),
+                warnings=tuple(r.texts("warnings", ())),
+                bisections=tuple(dict(b.data) for b in r.objects("bisections", ())),
+                breaks=tuple(dict(b.data) for b in r.objects("breaks", ())),
+                checks=_decode_nonfinite(r.obj("checks", {})),
             )
         except FlowMapFormatError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+            # Not expected after the checks above; still one error type for whatever the file holds.
             raise FlowMapFormatError(f"malformed flow map: {type(e).__name__}: {e}") from None
+        _check_consistency(fm)
         return fm
 
     @classmethod
-    def from_json(cls, source: str | os.PathLike[str]) -> FlowMap:
-        """Read a flow map from JSON text or from a file path. Only JSON is ever parsed."""
-        text = str(source)
-        if isinstance(source, os.PathLike) or not text.lstrip().startswith(("{", "[")):
+    def from_json(cls, source: str | os.PathLike[str], *, max_bytes: int | None = None) -> FlowMap:
+        """Read a flow map from JSON text or from a file path. Only JSON is ever parsed.
+
+        Nothing is unpickled or imported: a saved flow map is data. A file larger than ``max_bytes``
+        (default ``MAX_BYTES``, 256 MiB, or the environment variable ``GRADPROBE_FLOWMAP_MAX_BYTES``)
+        is refused before it is read. Every problem raises one ``FlowMapFormatError``; for a file, its
+        message starts with the file's path.
+        """
+        limit = _max_bytes(max_bytes)
+        if isinstance(source, os.PathLike) or not _looks_like_json(source):
+            path = Path(source)
             try:
-                text = Path(source).read_text(encoding="utf-8")
-            except OSError as e:
-                raise FlowMapFormatError(f"cannot read flow map {str(source)!r}: {e.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FlowMapFormatError(f"flow map is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+                text = _read_text(path, limit)
+                return cls.from_dict(_parse(text))
+            except FlowMapFormatError as e:
+                raise FlowMapFormatError(f"{path}: {e}") from None
+        if not isinstance(source, str):
+            raise FlowMapFormatError(f"from_json takes JSON text or a path, got {type(source).__name__}")
+        if len(source) > limit:
+            raise FlowMapFormatError(_too_large("the JSON text", len(source), limit))
+        return cls.from_dict(_parse(source))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FlowMap):
@@ -373,40 +388,394 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
-def _float(x: Any) -> float | None:
+# ----- reading untrusted files -------------------------------------------------------------------
+
+MAX_BYTES = 256 * 2**20  # about a million cells (50,000 parameter tensors x 20 runs) at ~250 bytes each
+MAX_BYTES_ENV = "GRADPROBE_FLOWMAP_MAX_BYTES"
+MAX_DEPTH = 64  # gradprobe writes at most about 8 levels; deeper input would only strain recursion
+MODES = ("terms", "weights")
+_SCHEMA_NAME = SCHEMA.rsplit("/", 1)[0] + "/"
+_MAX_INT = 2**63 - 1  # sizes and counts are int64 in torch
+_REQUIRED: Any = object()
+
+
+def _json_type(x: Any) -> str:
+    """How a value reads in JSON terms, with a short excerpt: ``a number (12)``, ``a list``, ..."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return f"a boolean ({'true' if x else 'false'})"
+    if isinstance(x, int | float):
+        text = (
+            repr(x)
+            if not isinstance(x, int) or x.bit_length() < 64
+            else f"an integer of {x.bit_length()} bits"
+        )
+        return f"a number ({text})"
+    if isinstance(x, str):
+        return f"a string ({x[:40]!r}{'...' if len(x) > 40 else ''})"
+    if isinstance(x, Mapping):
+        return "an object"
+    if isinstance(x, list | tuple):
+        return "a list"
+    return type(x).__name__
+
+
+def _malformed(where: str, expected: str, got: Any) -> FlowMapFormatError:
+    return FlowMapFormatError(f"malformed flow map: {where}: expected {expected}, got {_json_type(got)}")
+
+
+class _Fields:
+    """Typed access to one JSON object of the flow map; every failure names the field's place."""
+
+    def __init__(self, data: Mapping[str, Any], where: str) -> None:
+        self.data, self.where = data, where
+
+    def _at(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where != "the flow map" else key
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        if key in self.data:
+            return self.data[key]
+        if default is _REQUIRED:
+            raise FlowMapFormatError(f"malformed flow map: KeyError: {self.where} has no field {key!r}")
+        return default
+
+    def text(self, key: str, default: Any = _REQUIRED) -> str:
+        x = self.get(key, default)
+        if not isinstance(x, str):
+            raise _malformed(self._at(key), "a string", x)
+        return x
+
+    def opt_text(self, key: str) -> str | None:
+        x = self.get(key, None)
+        if x is not None and not isinstance(x, str):
+            raise _malformed(self._at(key), "a string or null", x)
+        return x
+
+    def flag(self, key: str) -> bool:
+        x = self.get(key)
+        if not isinstance(x, bool):
+            raise _malformed(self._at(key), "true or false", x)
+        return x
+
+    def choice(self, key: str, choices: tuple[str, ...], what: str = "") -> str:
+        x = self.get(key)
+        if not isinstance(x, str) or x not in choices:
+            name = what or key
+            shown = repr(x[:40]) if isinstance(x, str) else _json_type(x)
+            raise FlowMapFormatError(
+                f"malformed flow map: {self._at(key)}: unknown {name} {shown}; expected one of: {', '.join(choices)}"
+            )
+        return x
+
+    def opt_choice(self, key: str, choices: tuple[str, ...], what: str) -> str | None:
+        return None if self.get(key, None) is None else self.choice(key, choices, what)
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        return _number(self.get(key, default), self._at(key))
+
+    def _int(self, x: Any, where: str, expected: str) -> int:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= _MAX_INT:
+            raise _malformed(where, expected, x)
+        return x
+
+    def size(self, key: str) -> int:
+        return self._int(self.get(key), self._at(key), "a non-negative integer")
+
+    def sizes(self, key: str) -> list[int]:
+        return [
+            self._int(n, f"{self._at(key)}[{i}]", "a non-negative integer")
+            for i, n in enumerate(self.array(key))
+        ]
+
+    def count(self, key: str) -> int | None:
+        x = self.get(key, None)
+        return None if x is None else self._int(x, self._at(key), "a non-negative integer or null")
+
+    def array(self, key: str, default: Any = _REQUIRED) -> list[Any]:
+        x = self.get(key, default)
+        if not isinstance(x, list | tuple):
+            raise _malformed(self._at(key), "a list", x)
+        return list(x)
+
+    def texts(self, key: str, default: Any = _REQUIRED) -> list[str]:
+        items = self.array(key, default)
+        for i, s in enumerate(items):
+            if not isinstance(s, str):
+                raise _malformed(f"{self._at(key)}[{i}]", "a string", s)
+        return items
+
+    def obj(self, key: str, default: Any = _REQUIRED) -> dict[str, Any]:
+        x = self.get(key, default)
+        if not isinstance(x, Mapping):
+            raise _malformed(self._at(key), "an object", x)
+        return _str_keys(x, self._at(key))
+
+    def opt_obj(self, key: str) -> dict[str, Any] | None:
+        return None if self.get(key, None) is None else self.obj(key)
+
+    def objects(self, key: str, default: Any = _REQUIRED) -> list[_Fields]:
+        out = []
+        for i, x in enumerate(self.array(key, default)):
+            if not isinstance(x, Mapping):
+                raise _malformed(f"{self._at(key)}[{i}]", "an object", x)
+            out.append(_Fields(_str_keys(x, f"{self._at(key)}[{i}]"), f"{self._at(key)}[{i}]"))
+        return out
+
+    def texts_by_name(self, key: str) -> dict[str, str]:
+        d = self.obj(key, {})
+        for k, v in d.items():
+            if not isinstance(v, str):
+                raise _malformed(f"{self._at(key)}[{k!r}]", "a string", v)
+        return d
+
+    def numbers_by_name(self, key: str) -> dict[str, float | None]:
+        return {k: _number(v, f"{self._at(key)}[{k!r}]") for k, v in self.obj(key, {}).items()}
+
+    def run_error(self, key: str) -> RunError | None:
+        x = self.get(key, None)
+        if x is None:
+            return None
+        if not isinstance(x, Mapping):
+            raise _malformed(self._at(key), "an object or null", x)
+        e = _Fields(x, self._at(key))
+        return RunError(e.text("stage"), e.text("type"), e.text("message"))
+
+
+def _str_keys(d: Mapping[Any, Any], where: str) -> dict[str, Any]:
+    for k in d:
+        if not isinstance(k, str):  # JSON keys are strings; from_dict may be handed other mappings
+            raise _malformed(f"{where} key", "a string", k)
+    return dict(d)
+
+
+def _number(x: Any, where: str) -> float | None:
+    """A JSON number, null, or one of the strings "nan", "inf", "-inf", as a Python float."""
     if x is None:
         return None
     if isinstance(x, str):
         if x not in _NONFINITE:
-            raise FlowMapFormatError(f"expected a number, got the string {x!r}")
+            raise FlowMapFormatError(
+                f"malformed flow map: {where}: expected a number, got the string {x[:40]!r} "
+                '(non-finite numbers are written "nan", "inf", "-inf")'
+            )
         return _NONFINITE[x]
     if isinstance(x, bool) or not isinstance(x, int | float):
-        raise FlowMapFormatError(f"expected a number, got {x!r}")
-    return float(x)
+        raise _malformed(where, "a number", x)
+    try:
+        return float(x)
+    except OverflowError:
+        raise _malformed(where, "a number within the float range", x) from None
 
 
-def _status(s: Any) -> str:
-    if s not in STATUSES:
-        raise FlowMapFormatError(f"unknown status {s!r}; statuses are: {', '.join(STATUSES)}")
-    return s
+def _decode_nonfinite(x: Any) -> Any:
+    """Measurement data (checks, second batch) with the strings "nan", "inf", "-inf" back as floats, as
+    they were before ``to_json`` encoded them: renderers format these numbers (depth is bounded)."""
+    if isinstance(x, str):
+        return _NONFINITE.get(x, x)
+    if isinstance(x, Mapping):
+        return {k: _decode_nonfinite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_decode_nonfinite(v) for v in x]
+    return x
 
 
-def _verdict(v: Any) -> str | None:
-    if v is not None and v not in VERDICTS:
-        raise FlowMapFormatError(f"unknown verdict {v!r}; verdicts are: {', '.join(VERDICTS)}")
-    return v
-
-
-def _severity(s: Any) -> str:
-    if s not in SEVERITIES:
-        raise FlowMapFormatError(f"unknown severity {s!r}; severities are: {', '.join(SEVERITIES)}")
-    return s
-
-
-def _error(e: Any) -> RunError | None:
-    if e is None:
+def _second_batch(v: _Fields) -> dict[str, Any] | None:
+    """``second_batch`` as documented: scenario, mismatched parameters, stale term values, error, max error."""
+    if v.get("second_batch", None) is None:
         return None
-    return RunError(str(e["stage"]), str(e["type"]), str(e["message"]))
+    sb = _Fields(v.obj("second_batch"), v._at("second_batch"))
+    sb.text("scenario")
+    sb.texts("mismatched")
+    sb.opt_text("error")
+    sb.number("max_rel_error", None)
+    for t, values in sb.obj("term_values", {}).items():
+        pair = _Fields(values, f"{sb.where}.term_values[{t!r}]") if isinstance(values, Mapping) else None
+        if pair is None:
+            raise _malformed(f"{sb.where}.term_values[{t!r}]", "an object", values)
+        pair.number("variant", None)
+        pair.number("reference", None)
+    return _decode_nonfinite(sb.data)
+
+
+def _location(f: _Fields) -> dict[str, Any] | None:
+    """A finding's location: where in the model (file, line, module, code) or which modules."""
+    if f.get("location", None) is None:
+        return None
+    loc = _Fields(f.obj("location"), f._at("location"))
+    for key in ("file", "module", "module_type", "code"):
+        loc.opt_text(key)
+    if loc.get("line", None) is not None:
+        loc.size("line")
+    if "modules" in loc.data:
+        loc.texts("modules")
+    return loc.data
+
+
+def _check_schema(schema: Any) -> None:
+    if schema == SCHEMA:
+        return
+    if isinstance(schema, str) and schema.startswith(_SCHEMA_NAME):
+        version = schema.removeprefix(_SCHEMA_NAME)
+        ours = int(SCHEMA.removeprefix(_SCHEMA_NAME))
+        if version.isdigit() and len(version) < 10 and int(version) > ours:
+            raise FlowMapFormatError(
+                f"flow map schema {schema!r} is not supported by this gradprobe (reads {SCHEMA!r}): "
+                "it was written by a newer gradprobe; upgrade gradprobe to read it (pip install -U gradprobe)"
+            )
+    shown = repr(schema[:60]) if isinstance(schema, str) else _json_type(schema)
+    raise FlowMapFormatError(f"not a gradprobe flow map: schema is {shown}, expected {SCHEMA!r}")
+
+
+def _check_depth(data: Any) -> None:
+    """Refuse nesting deeper than MAX_DEPTH (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise FlowMapFormatError(
+                f"malformed flow map: nested more than {MAX_DEPTH} levels deep (gradprobe writes fewer than 10)"
+            )
+        if isinstance(x, Mapping):
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, list | tuple):
+            stack.extend((v, depth + 1) for v in x)
+
+
+def _check_consistency(fm: FlowMap) -> None:
+    """What every reader of a flow map relies on and gradprobe always writes: unique names, scenarios of
+    declared terms, exactly one run per (variant, scenario), and a reference among the variants."""
+
+    def unique(kind: str, names: Iterable[str]) -> list[str]:
+        seen: list[str] = []
+        for n in names:
+            if n in seen:
+                raise FlowMapFormatError(f"malformed flow map: {kind} {n[:60]!r} appears twice")
+            seen.append(n)
+        return seen
+
+    unique("term", fm.terms)
+    variants = set(unique("variant", fm.variant_names))
+    scenarios = set(unique("scenario", fm.scenario_names))
+    for s in fm.scenarios:
+        unknown = [t for t in s.terms if t not in fm.terms]
+        if unknown:
+            raise FlowMapFormatError(
+                f"malformed flow map: scenario {s.name[:60]!r} switches on {unknown[0][:60]!r}, which is not a term"
+            )
+    if fm.scenarios and fm.reference not in variants:
+        raise FlowMapFormatError(
+            f"malformed flow map: the reference variant {fm.reference[:60]!r} is not among the variants"
+        )
+    pairs: set[tuple[str, str]] = set()
+    for r in fm.runs:
+        if r.variant not in variants or r.scenario not in scenarios:
+            raise FlowMapFormatError(
+                f"malformed flow map: a run of variant {r.variant[:60]!r}, scenario {r.scenario[:60]!r}, "
+                "which the flow map does not declare"
+            )
+        if (r.variant, r.scenario) in pairs:
+            raise FlowMapFormatError(
+                f"malformed flow map: two runs of variant {r.variant[:60]!r}, scenario {r.scenario[:60]!r}"
+            )
+        pairs.add((r.variant, r.scenario))
+    if len(pairs) != len(variants) * len(scenarios):
+        v, s = next((v, s) for v in fm.variant_names for s in fm.scenario_names if (v, s) not in pairs)
+        raise FlowMapFormatError(f"malformed flow map: no run of variant {v[:60]!r}, scenario {s[:60]!r}")
+
+
+def _max_bytes(given: int | None) -> int:
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given <= 0:
+            raise FlowMapFormatError(f"max_bytes must be a positive integer, got {given!r}")
+        return given
+    env = os.environ.get(MAX_BYTES_ENV)
+    if env is None or not env.strip():
+        return MAX_BYTES
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise FlowMapFormatError(f"{MAX_BYTES_ENV} must be a positive number of bytes, got {env[:40]!r}")
+    return value
+
+
+def _too_large(what: str, size: int, limit: int) -> str:
+    return (
+        f"{what} is {size:,} bytes, over the limit of {limit:,} bytes ({limit / 2**20:.0f} MiB) for a flow "
+        f"map: not read. If you trust it, raise the limit: FlowMap.from_json(..., max_bytes=N) or the "
+        f"environment variable {MAX_BYTES_ENV}=N"
+    )
+
+
+def _looks_like_json(source: Any) -> bool:
+    return isinstance(source, str) and source.lstrip()[:1] in ("{", "[")
+
+
+_BINARY = {
+    b"PK\x03\x04": "a zip archive (torch.save writes these)",
+    b"\x80": "a Python pickle",
+    b"\x93NUMPY": "a NumPy array",
+    b"\x89HDF": "an HDF5 file",
+}
+
+
+def _read_text(path: Path, limit: int) -> str:
+    """The file's text, refused before reading when over ``limit`` bytes; never anything but text."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise FlowMapFormatError(_too_large("the file", size, limit))
+            data = f.read(limit + 1)  # a pipe or a device reports no size: read no more than allowed
+    except OSError as e:
+        raise FlowMapFormatError(f"cannot read flow map: {e.strerror or e}") from None
+    except ValueError as e:  # e.g. a NUL character in the path
+        raise FlowMapFormatError(f"cannot read flow map: {e}") from None
+    if len(data) > limit:
+        raise FlowMapFormatError(_too_large("the file", len(data), limit))
+    for magic, kind in _BINARY.items():
+        if data.startswith(magic):
+            raise FlowMapFormatError(
+                f"not a gradprobe flow map: this is {kind}, not JSON. gradprobe reads flow maps as JSON only "
+                "and never unpickles or loads files (write one with --json or FlowMap.to_json)"
+            )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise FlowMapFormatError(
+            f"not a gradprobe flow map: not UTF-8 text (byte {e.start}), so not JSON; flow maps are JSON "
+            "files written with --json or FlowMap.to_json"
+        ) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise FlowMapFormatError(
+        f"flow map is not valid JSON: {name} is not a JSON value (flow maps write non-finite numbers as "
+        'the strings "nan", "inf", "-inf")'
+    )
+
+
+def _parse(text: str) -> Any:
+    if not text.strip():
+        raise FlowMapFormatError("flow map is not valid JSON: it is empty (truncated or never written?)")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        end = len(text.rstrip())
+        if e.pos >= end or e.msg.startswith("Unterminated string"):
+            raise FlowMapFormatError(
+                f"flow map is not valid JSON: truncated, it ends before the JSON is complete ({e})"
+            ) from None
+        raise FlowMapFormatError(f"flow map is not valid JSON: {e}") from None
+    except RecursionError:
+        raise FlowMapFormatError(
+            f"malformed flow map: nested too deeply to parse (more than {MAX_DEPTH} levels is refused)"
+        ) from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise FlowMapFormatError(f"malformed flow map: a number too large to read ({e})") from None
 
 
 def parameter_infos(named: Iterable[tuple[str, Any]]) -> tuple[ParameterInfo, ...]:
