@@ -54,7 +54,7 @@ COMPILED = "make_fx[detach=alias]+compile:aot_eager"
 
 FULL = {
     "eager_reps_reference": 15,
-    "eager_reps_wide": 5,
+    "eager_reps_wide": 7,
     "wide": {"n_branches": 2048, "width": 16, "n_big": 3, "big_dim": 4096, "batch_size": 8},
     "compiled_model": "reference",
     "compiled_reps": 3,
@@ -114,7 +114,8 @@ def reference_case() -> Case:
 def wide_case(n_branches: int, width: int, n_big: int = 0, big_dim: int = 0, batch_size: int = 8) -> Case:
     model, batch = make_wide(n_branches, width, n_big, big_dim, batch_size)
     _, batch2 = make_wide(n_branches, width, n_big, big_dim, batch_size, seed=1)
-    return Case(f"wide ({n_branches} branches)", model, wide_step, batch, batch2, list(TERMS))
+    name = f"wide ({n_branches} branches{f', batch {batch_size}' if batch_size != 8 else ''})"
+    return Case(name, model, wide_step, batch, batch2, list(TERMS))
 
 
 def header(title: str) -> None:
@@ -290,12 +291,12 @@ def memory(configs: list[tuple[int, int]]) -> list[dict[str, Any]]:
 
 
 def print_eager(rows: list[dict[str, Any]]) -> None:
-    print(f"{'model':<22}{'tensors':>8}{'scalars':>9}{'probe s':>10}{'naive s':>10}{'floor s':>10}"
+    print(f"{'model':<32}{'tensors':>8}{'scalars':>9}{'probe s':>10}{'naive s':>10}{'floor s':>10}"
           f"{'naive/probe':>13}{'agree':>7}")  # fmt: skip
     for r in rows:
         b = r["best"]
         print(
-            f"{r['model']:<22}{r['tensors']:>8}{fmt_n(r['scalars']):>9}{b['probe']:>10.4f}{b['naive']:>10.4f}"
+            f"{r['model']:<32}{r['tensors']:>8}{fmt_n(r['scalars']):>9}{b['probe']:>10.4f}{b['naive']:>10.4f}"
             f"{b['floor']:>10.4f}{b['naive'] / b['probe']:>12.2f}x{'yes' if r['agree'] else 'NO':>7}"
         )
     print("naive/probe: how many times faster the probe is than the naive loop (min of interleaved runs);")
@@ -303,14 +304,14 @@ def print_eager(rows: list[dict[str, Any]]) -> None:
 
 
 def print_floor(rows: list[dict[str, Any]], compiled: dict[str, Any]) -> None:
-    print(f"{'path':<10}{'model':<22}{'probe s':>10}{'floor s':>10}{'probe/floor':>13}")
+    print(f"{'path':<10}{'model':<32}{'probe s':>10}{'floor s':>10}{'probe/floor':>13}")
     for r in rows:
         b = r["best"]
         print(
-            f"{'eager':<10}{r['model']:<22}{b['probe']:>10.4f}{b['floor']:>10.4f}{b['probe'] / b['floor']:>12.2f}x"
+            f"{'eager':<10}{r['model']:<32}{b['probe']:>10.4f}{b['floor']:>10.4f}{b['probe'] / b['floor']:>12.2f}x"
         )
     b = compiled["best"]
-    print(f"{'compiled':<10}{compiled['model']:<22}{b['probe']:>10.3f}{b['floor']:>10.3f}"
+    print(f"{'compiled':<10}{compiled['model']:<32}{b['probe']:>10.3f}{b['floor']:>10.3f}"
           f"{b['probe'] / b['floor']:>12.2f}x")  # fmt: skip
     k = compiled["scenarios"]
     print(f"eager floor: one forward + {k} autograd.grad (retain_graph), nothing else.")
@@ -322,25 +323,32 @@ def print_compiles(c: dict[str, Any]) -> None:
     b = c["best"]
     print(f"model: {c['model']}, {c['scenarios']} scenarios, torch {torch.__version__}, "
           f"dynamo specialize_float={c['specialize_float']}, automatic_dynamic_shapes={c['automatic_dynamic_shapes']}")  # fmt: skip
-    print(f"{'contender':<44}{'compiles':>9}{'graphs':>8}{'best s':>9}")
+    print(f"{'contender':<52}{'compiles':>9}{'graphs':>8}{'best s':>9}")
     print(
-        f"{'gradprobe ' + COMPILED:<44}{c['probe_compile_count']:>9}{c['probe_graphs']:>8}{b['probe']:>9.3f}"
+        f"{'gradprobe ' + COMPILED:<52}{c['probe_compile_count']:>9}{c['probe_graphs']:>8}{b['probe']:>9.3f}"
     )
-    print(f"{'floor (0-dim tensor weights)':<44}{1:>9}{c['floor_graphs']:>8}{b['floor']:>9.3f}")
+    print(f"{'floor (weights as one 1-D tensor)':<52}{1:>9}{c['floor_graphs']:>8}{b['floor']:>9.3f}")
     print(
-        f"{'naive loop (Python-float weights)':<44}{c['naive_compiles']:>9}{c['naive_graphs']:>8}{b['naive']:>9.3f}"
+        f"{'naive loop (Python-float weights)':<52}{c['naive_compiles']:>9}{c['naive_graphs']:>8}{b['naive']:>9.3f}"
     )
     print("naive loop, graphs compiled per scenario (weights as passed):")
     for name, pattern, g in zip(c["scenario_names"], c["patterns"], c["naive_per_scenario"], strict=True):
         print(f"  {name:<14} weights {pattern}: {g} graph(s){'' if g else ' (no recompile)'}")
     distinct = len(set(c["patterns"]))
     print(f"{distinct} distinct weight patterns -> {c['naive_compiles']} compiles "
-          f"(dynamo counters unique_graphs: {c['naive_unique_graphs']}); the probe: 1 compile for all.")  # fmt: skip
+          f"(dynamo counters unique_graphs: {c['naive_unique_graphs']}); the probe: "
+          f"{c['probe_compile_count']} compile(s) for all.")  # fmt: skip
     print(f"speedup of the compiled probe over the naive compiled loop: {b['naive'] / b['probe']:.2f}x "
           f"(agree on reached parameters: {'yes' if c['agree'] else 'NO'})")  # fmt: skip
     print(
         "compiles = runs during which the backend compiled something; graphs = graphs handed to the backend."
     )
+    print(
+        f"every round: probe compiles {c['probe_every_rep']}, naive graphs per scenario {c['naive_every_rep']}"
+    )
+    if c["probe_graphs"] > c["probe_compile_count"]:
+        print(f"the probe's one compiling run handed {c['probe_graphs']} graphs to the backend: dynamo compiled "
+              "the frame more than once (docs/benchmarks.md: a tensorify restart on float64 weights)")  # fmt: skip
     if c["probe_errors"]:
         print(f"probe run errors: {c['probe_errors']}")
 
@@ -407,14 +415,53 @@ def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
     return out
 
 
+def profile_probe(cfg: dict[str, Any], top: int = 20) -> None:
+    """cProfile of one eager probe and one floor on the wide model: where the probe's extra time goes."""
+    import cProfile
+    import pstats
+
+    case = wide_case(**cfg["wide"])
+    spec = case.spec
+    gradprobe.probe(spec)  # warm-up
+    for name, fn in (
+        ("probe", lambda: gradprobe.probe(spec)),
+        ("floor", lambda: floor_eager(case.model, case.step, case.batch, case.scenarios)),
+    ):
+        header(f"profile: {name}, {case.name}")
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run with tiny sizes (a few seconds)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run with tiny sizes (about half a minute, numbers meaningless)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    parser.add_argument(
+        "--wide-batch",
+        type=int,
+        metavar="N",
+        help="batch size of the wide model (default 8): more compute per parameter",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="only profile one eager probe and one floor on the wide model"
+    )
     args = parser.parse_args()
     cfg = QUICK if args.quick else FULL
+    if args.wide_batch:
+        cfg = {**cfg, "wide": {**cfg["wide"], "batch_size": args.wide_batch}}
+    if args.profile:
+        torch.set_num_threads(1)
+        profile_probe(cfg)
+        return 0
     torch.set_num_threads(1)
     start = time.perf_counter()
     print(

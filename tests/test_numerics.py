@@ -156,13 +156,6 @@ def complex_terms(m: ComplexModel, batch: torch.Tensor) -> dict[str, torch.Tenso
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="status.reduce_grads (and compare.relative_errors) pass a real dtype to _foreach_norm for "
-    "complex gradients: 'linalg.vector_norm: dtype should be complex for complex inputs'; reported "
-    "with a patch — remove this marker when it lands",
-)
 def test_complex_parameters_get_the_status_of_their_modulus():
     model = ComplexModel()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

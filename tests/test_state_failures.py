@@ -435,6 +435,37 @@ def test_settings_are_restored_even_when_the_world_was_unusual(world):
         ]
 
 
+class NoCopy:
+    """A custom compiler pass that refuses to be deep-copied (it may hold a lock, a process pool)."""
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError("cannot copy me")
+
+    def __call__(self, graph: Any) -> None:
+        return None
+
+
+def test_a_config_value_that_cannot_be_copied_does_not_break_the_probe():
+    mine, theirs = NoCopy(), NoCopy()
+
+    def step(model, batch):
+        torch._inductor.config.post_grad_custom_post_pass = theirs  # changed by the step
+        torch._dynamo.config.recompile_limit = 2
+        return terms_of(model, batch)
+
+    before = torch._dynamo.config.recompile_limit
+    torch._inductor.config.post_grad_custom_pre_pass = mine  # set by the user before the probe
+    try:
+        fm = gradprobe.probe(make_model(), step, BATCH, terms=["a", "b"])
+        assert fm.run("eager", "all").error is None
+        assert torch._inductor.config.post_grad_custom_pre_pass is mine
+        assert torch._dynamo.config.recompile_limit == before  # the dynamo config was still restored
+    finally:
+        torch._inductor.config.post_grad_custom_pre_pass = None
+        torch._inductor.config.post_grad_custom_post_pass = None
+        torch._dynamo.config.recompile_limit = before
+
+
 # ---------------------------------------------------------------------------- the user's dynamo caches
 def test_compiled_variants_leave_the_users_dynamo_caches_empty(world):
     def step(model, batch):

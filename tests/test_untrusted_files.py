@@ -186,6 +186,11 @@ def test_paths_that_are_not_files(tmp_path):
     assert "cannot read flow map" in refused("x" * 5000 + ".json")  # name too long
 
 
+def test_other_sources_are_refused(saved):
+    assert "from_json takes JSON text or a path, got bytes" in refused(saved.to_json().encode())
+    assert "from_json takes JSON text or a path, got dict" in refused(saved.to_dict())
+
+
 def test_file_errors_name_the_file(good):
     good.write_text('{"schema": "gradprobe.flowmap/9"}')
     assert refused(good).startswith(f"{good}: flow map schema 'gradprobe.flowmap/9' is not supported")

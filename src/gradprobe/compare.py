@@ -60,9 +60,10 @@ def relative_errors(
     for (_, dtype), idx in groups.items():
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         diffs = [
-            _dense(grads[i]) if reference[i] is None else _dense(grads[i]) - _dense(reference[i])  # type: ignore[operator]
+            _real(_dense(grads[i]) if reference[i] is None else _dense(grads[i]) - _dense(reference[i]))  # type: ignore[operator]
             for i in idx
         ]
+        acc = torch.float64 if diffs[0].dtype == torch.float64 else torch.float32
         l1 = torch.stack(torch._foreach_norm(diffs, 1, dtype=acc)).cpu().tolist()
         for i, d in zip(idx, l1, strict=True):
             ref = reference_norms[i] or 0.0
@@ -72,6 +73,11 @@ def relative_errors(
 
 def _dense(g: torch.Tensor) -> torch.Tensor:
     return g.to_dense() if g.is_sparse else g
+
+
+def _real(d: torch.Tensor) -> torch.Tensor:
+    """The modulus of a complex difference (the norm kernels want real dtypes)."""
+    return d.abs() if d.is_complex() else d
 
 
 def _ratio(diff: float, ref: float) -> float:
@@ -127,8 +133,8 @@ def allclose_excess(
             g, r = grads[i], reference[i]
             g = _dense(g) if g is not None else torch.zeros_like(_dense(r))  # type: ignore[arg-type]
             r = _dense(r) if r is not None else torch.zeros_like(g)
-            diffs.append(g - r)
-            scaled.append(r)
+            diffs.append(_real(g - r))
+            scaled.append(_real(r))
         torch._foreach_abs_(diffs)
         scaled = torch._foreach_abs(scaled)
         torch._foreach_mul_(scaled, rtol)

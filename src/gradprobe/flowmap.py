@@ -352,6 +352,8 @@ class FlowMap:
         is refused before it is read. Every problem raises one ``FlowMapFormatError``; for a file, its
         message starts with the file's path.
         """
+        if not isinstance(source, str | os.PathLike):
+            raise FlowMapFormatError(f"from_json takes JSON text or a path, got {type(source).__name__}")
         limit = _max_bytes(max_bytes)
         if isinstance(source, os.PathLike) or not _looks_like_json(source):
             path = Path(source)
@@ -360,8 +362,6 @@ class FlowMap:
                 return cls.from_dict(_parse(text))
             except FlowMapFormatError as e:
                 raise FlowMapFormatError(f"{path}: {e}") from None
-        if not isinstance(source, str):
-            raise FlowMapFormatError(f"from_json takes JSON text or a path, got {type(source).__name__}")
         if len(source) > limit:
             raise FlowMapFormatError(_too_large("the JSON text", len(source), limit))
         return cls.from_dict(_parse(source))

@@ -38,6 +38,7 @@ _ZOO_DIR = os.path.join(_OWN_DIR, "zoo") + os.sep
 _NON_TENSOR = {"item": "item", "__float__": "item", "__int__": "item", "__complex__": "item"}
 _NON_TENSOR |= {"tolist": "tolist", "numpy": "numpy"}
 _DETACH = {"detach", "detach_", "data"}
+_SHAPE_ONLY = {"expand_as", "view_as", "reshape_as"}
 _CASTS = {"long", "int", "short", "char", "byte", "bool", "to", "type", "type_as"}
 # Outputs that do not depend on the inputs' values: no provenance, and not a break.
 _FRESH = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"}
@@ -160,7 +161,8 @@ class _Tracker(TorchFunctionMode):
             return (self.orig_grad if self.in_grad else self.grad)(*args, **kwargs)
         op = _op_name(func)
         base = op.rsplit(".", 1)[-1]
-        inputs = _tensors((args, kwargs))
+        # In expand_as/view_as/reshape_as the second tensor only lends its shape: no dependency flows.
+        inputs = _tensors(args[:1] if base in _SHAPE_ONLY else (args, kwargs))
         deps = self.mask(inputs)
         # Read before the call: an in-place op (detach_, requires_grad_) changes requires_grad.
         live = self.mask(t for t in inputs if t.requires_grad)

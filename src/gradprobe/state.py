@@ -158,12 +158,20 @@ class _Settings:
     configs: list[tuple[Any, dict[str, Any]]]
 
 
+def _config_values(module: Any) -> dict[str, Any] | None:
+    try:
+        return module.get_config_copy()  # a deep copy of the values that are not immutable
+    except Exception:  # a value someone set that cannot be copied: leave this module alone
+        return None
+
+
 def _snapshot_settings() -> _Settings:
     configs = []
     for name in CONFIG_MODULES:
         module = sys.modules.get(name)
-        if module is not None and hasattr(module, "get_config_copy"):
-            configs.append((module, module.get_config_copy()))
+        values = _config_values(module) if hasattr(module, "get_config_copy") else None
+        if values is not None:
+            configs.append((module, values))
     return _Settings(
         torch.is_grad_enabled(),
         torch.get_default_dtype(),
@@ -192,10 +200,14 @@ def _restore_settings(state: _Settings) -> None:
     if torch.autograd.grad is not state.autograd_grad:
         torch.autograd.grad = state.autograd_grad
     for module, saved in state.configs:
-        current = module.get_config_copy()
+        current = _config_values(module)
         for key, value in saved.items():
-            if key in current and current[key] != value:
-                setattr(module, key, value)
+            try:
+                now = current[key] if current is not None else getattr(module, key)
+                if now is not value and bool(now != value):
+                    setattr(module, key, value)
+            except Exception:  # a key gone, or values that cannot be compared: leave it
+                continue
 
 
 @contextmanager

@@ -19,7 +19,9 @@ STATUSES = (NONE, ZERO, NONZERO, NAN, INF)
 
 def _dense(g: torch.Tensor) -> torch.Tensor:
     # Sparse gradients (nn.Embedding(sparse=True)) have no norm kernel; their stored values suffice.
-    return g.coalesce().values() if g.is_sparse else g
+    g = g.coalesce().values() if g.is_sparse else g
+    # Complex gradients: judged on their modulus (a real tensor; the norm kernels want real dtypes here).
+    return g.abs() if g.is_complex() else g
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -352,7 +352,7 @@ def _checks(fm: FlowMap) -> str:
     """Verification checks: the terminal's check lines, and the training loss curves."""
     try:
         lines = check_lines(fm)
-    except (KeyError, TypeError, AttributeError):  # a checks dict of another shape: curves only
+    except (KeyError, TypeError, AttributeError, ValueError):  # a checks dict of another shape: curves only
         lines = []
     training = fm.checks.get("training")
     charts = _curves(training) if isinstance(training, dict) else ""

@@ -116,7 +116,7 @@ def _checks(fm: FlowMap) -> list[str]:
     """The terminal's line per verification check; none for a checks dict of another shape."""
     try:
         return check_lines(fm)
-    except (KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError, ValueError):
         return []
 
 
