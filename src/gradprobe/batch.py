@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,9 +22,12 @@ def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Ten
             yield from tensors_in(v, f"{path}[{i}]")
 
 
-def check_devices(batch: Any, model: torch.nn.Module) -> None:
-    """A batch tensor on another device than the (single-device) model is a clear error."""
-    devices = {p.device for p in model.parameters()}
+def check_devices(batch: Any, model: torch.nn.Module, params: Iterable[torch.Tensor] | None = None) -> None:
+    """A batch tensor on another device than the (single-device) model is a clear error.
+
+    ``params``: the model's parameters when the caller has listed them already (a module walk saved).
+    """
+    devices = {p.device for p in (model.parameters() if params is None else params)}
     if len(devices) != 1:
         return  # model-parallel: the step moves data itself
     (device,) = devices

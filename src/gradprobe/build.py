@@ -61,6 +61,27 @@ def _weighted(step: Callable[..., Any], mode: str, terms: tuple[str, ...]) -> Ca
     return fresh_copy(weighted)
 
 
+def pack_weights(weights: Mapping[str, torch.Tensor], terms: Sequence[str]) -> torch.Tensor:
+    """The weights as one 1-D tensor in ``terms`` order: what traced and compiled variants take.
+
+    0-dim CPU tensor inputs are turned into symbolic floats by dynamo (torch 2.13) and then
+    specialised again by a ``TensorifyScalarRestartAnalysis``: every compile ran twice. A 1-D input
+    is a plain tensor input; it is unbound into 0-dim tensors inside the graph.
+    """
+    return torch.stack([weights[t] for t in terms])
+
+
+def unpack_weights(packed: torch.Tensor, terms: Sequence[str]) -> dict[str, torch.Tensor]:
+    return dict(zip(terms, packed.unbind(0), strict=True))
+
+
+def _vector_weighted(weighted: Callable[..., Any], terms: tuple[str, ...]) -> Callable[..., Any]:
+    def vector_weighted(model, batch, packed):  # type: ignore[no-untyped-def]
+        return weighted(model, batch, unpack_weights(packed, terms))
+
+    return fresh_copy(vector_weighted)
+
+
 def fresh_copy(fn: Any) -> Any:
     """A copy of a plain function (or a partial of one) with its own code object; others as they are."""
     if isinstance(fn, functools.partial):
@@ -162,7 +183,10 @@ def trace_step(ctx: VariantContext, variant: VariantSpec) -> torch.fx.GraphModul
     weighted = ctx.weighted()
     holder = _StepHolder(ctx.model, weighted)
 
-    def functional(params: dict, buffers: dict, batch: Any, weights: dict) -> Any:
+    terms = tuple(ctx.terms)
+
+    def functional(params: dict, buffers: dict, batch: Any, packed: torch.Tensor) -> Any:
+        weights = unpack_weights(packed, terms)
         return functional_call(holder, {**params, **buffers}, (batch, weights), strict=False)
 
     params, buffers = _state(holder)
@@ -178,7 +202,7 @@ def trace_step(ctx: VariantContext, variant: VariantSpec) -> torch.fx.GraphModul
             pre_dispatch=variant.knob("pre_dispatch"),
             record_stack_traces=True,
             record_module_stack=True,
-        )(params, buffers, ctx.batch, dict(ctx.weights))
+        )(params, buffers, ctx.batch, pack_weights(ctx.weights, terms))
 
 
 class _StepHolder(torch.nn.Module):
@@ -232,7 +256,7 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
 
         def run_traced(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
             with context:
-                return target(holder_params, holder_buffers, batch, dict(weights))
+                return target(holder_params, holder_buffers, batch, pack_weights(weights, ctx.terms))
 
         built.run = run_traced
         return built
@@ -242,13 +266,13 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
     target = weighted
     if variant.compiled:
         built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
-        target = torch.compile(weighted, backend=built.counter, fullgraph=variant.knob("fullgraph"),
-                               dynamic=variant.knob("dynamic"))  # fmt: skip
+        target = torch.compile(_vector_weighted(weighted, tuple(ctx.terms)), backend=built.counter,
+                               fullgraph=variant.knob("fullgraph"), dynamic=variant.knob("dynamic"))  # fmt: skip
     context = _compile_context(variant.backend)
 
     def run_direct(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
         with module_mode(ctx.model, mode), _autocast(device, autocast), context:
-            return target(ctx.model, batch, dict(weights) if variant.compiled else weights)
+            return target(ctx.model, batch, pack_weights(weights, ctx.terms) if variant.compiled else weights)
 
     built.run = run_direct
     return built

@@ -147,13 +147,17 @@ def per_term(
         for s in scenarios:
             if s.terms == (t,):
                 results[s.name] = _reduced(s.name, grads, error, values, t0, keep)
+        # Unless kept, this term's gradients are gradprobe's own: the first sum they enter may
+        # accumulate into them in place instead of copying them.
+        owned = grads is not None and not keep
         for s in multi:
             if t not in s.terms:
                 continue
             if error is not None and error.type != "NoGradPath":
                 acc_error[s.name] = acc_error[s.name] or error
             elif grads is not None:
-                acc[s.name] = _add(acc[s.name], grads)
+                acc[s.name] = _add(acc[s.name], grads, owned)
+                owned = False
         del grads
     for s in multi:
         t0 = time.perf_counter()
@@ -168,17 +172,27 @@ def per_term(
     return list(terms), scenarios, [results[s.name] for s in scenarios]
 
 
-def _add(acc: Grads | None, grads: Grads) -> Grads:
-    """``acc + grads`` where None is "no gradient" (None + g = g); the first term is copied once."""
+def _add(acc: Grads | None, grads: Grads, owned: bool = False) -> Grads:
+    """``acc + grads`` where None is "no gradient" (None + g = g).
+
+    A gradient entering the sum is copied once, unless ``owned``: then it becomes the accumulator
+    itself when it is safe to add into in place (dense, non-overlapping, not aliasing another entry:
+    autograd can hand the same tensor to two parameters, or an expanded view).
+    """
     if acc is None:
-        return [None if g is None else g.clone() for g in grads]
+        acc = [None] * len(grads)
+    held = {a.data_ptr() for a in acc if a is not None} if owned else set()
     pairs = [(i, g) for i, g in enumerate(grads) if g is not None]
     both = [(acc[i], g) for i, g in pairs if acc[i] is not None]
     if both:
         torch._foreach_add_([a for a, _ in both], [g for _, g in both])  # type: ignore[misc]
     for i, g in pairs:
         if acc[i] is None:
-            acc[i] = g.clone()
+            if owned and not g.is_sparse and g.is_contiguous() and g.data_ptr() not in held:
+                held.add(g.data_ptr())
+                acc[i] = g
+            else:
+                acc[i] = g.clone()
     return acc
 
 

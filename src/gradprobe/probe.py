@@ -101,7 +101,7 @@ def run_probe(
             f"the model ({type(model).__name__}) has no trainable parameters "
             f"({len(named)} parameters, none with requires_grad=True): nothing can receive a gradient"
         )
-    check_devices(spec.batch, model)
+    check_devices(spec.batch, model, (p for _, p in named))
     mode = spec.resolved_mode()
     if mode == "weights" and spec.terms is None:
         raise SpecError("a weights-mode step needs terms=[...]: the names of the weights it takes")
@@ -135,6 +135,9 @@ def run_probe(
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
         builds: dict[str, Built] = {}
+        # The reference's gradients are kept (one copy per scenario) only when something reads them:
+        # another variant, the consistency and balance checks, or the diagnosis.
+        keep_ref = len(ordered) > 1 or diagnose_ or "balance" in checks
         for variant in ordered:
             is_ref = variant.name == ref_name
             start = time.perf_counter()
@@ -147,14 +150,15 @@ def run_probe(
                     params,
                     spec.terms,
                     lambda ts: resolve_scenarios(spec.scenarios, ts),
-                    keep=is_ref,
+                    keep=is_ref and keep_ref,
                 )
                 if not is_ref:
                     results = _compare_per_term(results, ref_results)
             elif _is_plain_eager(variant):
                 results = per_scenario(
                     lambda w, b=batch: spec.step(model, b, w),
-                    params, scenarios, terms, spec.seed, keep=is_ref, reference=None if is_ref else ref_results,
+                    params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
+                    reference=None if is_ref else ref_results,
                 )  # fmt: skip
             else:
                 ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, first))
@@ -166,7 +170,7 @@ def run_probe(
                     counter = built.counter
                     results = per_scenario(
                         lambda w, run=built.run, b=batch: run(b, w),
-                        params, scenarios, terms, spec.seed, keep=is_ref,
+                        params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
                         reference=None if is_ref else ref_results,
                         counter=counter,
                         consistency_rtol=consistency_tolerance(dtype)[0],
@@ -329,7 +333,7 @@ def _compare_on(
 
     by_terms = sorted(scenarios, key=lambda s: -len(s.terms))
     references: dict[str, Measurement] = {}
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    names: list[str] | None = None  # listed on first use: most probes compare no traced variant
     out: dict[str, dict[str, Any]] = {}
     for m in measured:
         ok = {r.scenario for r in m.results if r.error is None}
@@ -370,6 +374,8 @@ def _compare_on(
         elif res.rel_errors is not None:
             finite = [e for e in res.rel_errors if e is not None]
             entry["max_rel_error"] = max(finite) if finite else 0.0
+            if names is None:
+                names = [n for n, p in model.named_parameters() if p.requires_grad]
             entry["mismatched"] = [
                 n
                 for n, e, st, rst in zip(

@@ -57,10 +57,10 @@ def _changed(slots: list[_TensorSlot]) -> list[bool]:
         current = [slots[i].tensor.detach() for i in idx]
         copies = [slots[i].copy for i in idx]
         if current[0].is_floating_point() or current[0].is_complex():
-            diff = torch._foreach_sub(current, copies)
-            # NaN - NaN is NaN: such a slot reads as changed and is copied back, which is harmless.
-            worst = torch.stack(torch._foreach_norm(diff, float("inf")))
-            flags = (worst != 0).cpu().tolist()
+            # One read of both, no temporary copy (a _foreach_sub + inf-norm writes a full copy and
+            # reads it again, with a slow inf-norm kernel on CPU). NaN != NaN: such a slot reads as
+            # changed and is copied back, which is harmless.
+            flags = torch.stack([(c != k).any() for c, k in zip(current, copies, strict=True)]).cpu().tolist()
         else:
             flags = [not torch.equal(c, k) for c, k in zip(current, copies, strict=True)]
         for i, flag in zip(idx, flags, strict=True):

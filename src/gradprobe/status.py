@@ -1,9 +1,10 @@
 """Gradient status of many parameters at once: batched reductions, one host sync per device.
 
 Statuses are ``none`` (no gradient), ``zero`` (exactly zero), ``nonzero``, ``nan``, ``inf``. The
-status is decided on the largest absolute value (``ord=inf``), which neither underflows nor
-overflows; the recorded norm is the L1 norm accumulated in float32 or wider (an L2 norm of a 1e-30
-float32 gradient reads as zero; 100,000 float16 ones sum to inf in float16).
+status is decided on the L1 norm (exact for zero and NaN; an infinite L1 norm is checked against the
+largest absolute value, which never overflows); the recorded norm is the L1 norm accumulated in float32
+or wider (an L2 norm of a 1e-30 float32 gradient reads as zero; 100,000 float16 ones sum to inf in
+float16).
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[float | None]]:
     """Status and L1 norm of each gradient (``None`` norm where there is no gradient).
 
-    One pass of ``torch._foreach_norm`` per reduction and per (device, dtype) group, and one copy
-    to the host per device: the number of host syncs does not grow with the number of parameters.
+    One pass of ``torch._foreach_norm(ord=1)`` per (device, dtype) group, and one copy to the host per
+    device: the number of host syncs does not grow with the number of parameters. The status is read
+    from the L1 norm itself: a sum of absolute values is exactly zero only when every value is zero
+    (no underflow: it is never below its largest term), and NaN when any value is NaN. Only an
+    infinite L1 norm is ambiguous (an inf, or a finite sum past the accumulation dtype's range); for
+    those gradients alone the largest absolute value decides, at one more host sync.
     """
     statuses: list[str] = [NONE] * len(grads)
     norms: list[float | None] = [None] * len(grads)
@@ -45,21 +50,30 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
     per_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
     for (device, dtype), idx in groups.items():
         tensors = [_dense(grads[i]) for i in idx]  # type: ignore[arg-type]
-        acc = _accumulation_dtype(dtype)
-        l1 = torch.stack(torch._foreach_norm(tensors, 1, dtype=acc))
-        amax = torch.stack(torch._foreach_norm(tensors, math.inf)).to(acc)
-        per_device.setdefault(device, []).append((idx, torch.stack([l1, amax])))
+        l1 = torch.stack(torch._foreach_norm(tensors, 1, dtype=_accumulation_dtype(dtype)))
+        per_device.setdefault(device, []).append((idx, l1))
+    overflow: list[int] = []
     for parts in per_device.values():
         # One device-to-host copy for all groups on this device, in the widest accumulation dtype
         # among them (a device holding float64 gradients supports float64).
         wide = max((p.dtype for _, p in parts), key=lambda d: torch.finfo(d).bits)
-        host = torch.cat([p.to(wide) for _, p in parts], dim=1).cpu().tolist()
+        host = torch.cat([p.to(wide) for _, p in parts]).cpu().tolist()
         offset = 0
         for idx, _ in parts:
             for k, i in enumerate(idx, start=offset):
-                statuses[i] = status_of(host[1][k])
-                norms[i] = host[0][k]
+                norms[i] = host[k]
+                if math.isinf(host[k]):
+                    overflow.append(i)
+                else:
+                    statuses[i] = status_of(host[k])
             offset += len(idx)
+    again: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in overflow:
+        again.setdefault((grads[i].device, grads[i].dtype), []).append(i)  # type: ignore[union-attr]
+    for idx in again.values():
+        amax = torch.stack([torch.linalg.vector_norm(_dense(grads[i]), math.inf) for i in idx])  # type: ignore[arg-type]
+        for i, a in zip(idx, amax.cpu().tolist(), strict=True):
+            statuses[i] = status_of(a)
     return statuses, norms
 
 
