@@ -118,3 +118,10 @@ def test_console_script_and_module_entry_point():
         [sys.executable, "-m", "gradprobe", "demo", "--dtype", "float8"], capture_output=True, text=True
     )
     assert bad.returncode == 2
+
+
+def test_run_diagnose_exit_status(spec_file, capsys):
+    # A healthy spec diagnoses clean (0); a broken one exits 1 with its findings.
+    assert main(["run", str(spec_file), "--diagnose"]) == 0
+    assert main(["run", f"{spec_file}:broken", "--diagnose"]) == 1
+    assert "ERROR" in capsys.readouterr().out
