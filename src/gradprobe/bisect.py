@@ -1,6 +1,7 @@
 """Bisection: from a variant that breaks the flow to the first knob whose flip restores it.
 
-Order, one flip at a time: the capture stage (``make_fx`` + compile → ``make_fx`` alone; a direct
+A user variant (a trainer adapter's configuration) flips the knobs it declares, in their order.
+Otherwise, one flip at a time: the capture stage (``make_fx`` + compile → ``make_fx`` alone; a direct
 compile → eager), then — at the stage that breaks — detach handling, module mode, ``pre_dispatch``,
 ``tracing_mode``, autocast; where the capture alone is fine, ``dynamic``/``fullgraph`` and then the
 backend ladder ``eager`` → ``aot_eager`` → ``aot_eager_decomp_partition`` (→ ``inductor``, or the
@@ -74,6 +75,10 @@ def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_train
         return ok
 
     base = failing
+    if failing.capture == "user":
+        b.stage = failing.base or failing.name
+        _user_flips(b, failing, trial)
+        return _summarise(b, failing)
     if failing.capture == "make_fx" and failing.compiled:
         alone = with_knobs(failing, backend=None)
         if trial("capture", f"{failing.name} → {alone.name} (no compile)", alone):
@@ -111,6 +116,27 @@ def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_train
     elif b.culprit is not None:
         b.fix = {"variant": next(t["variant"] for t in b.trials if t["ok"]), "ok": True}
     return _summarise(b, failing)
+
+
+def _user_flips(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, VariantSpec], bool]) -> None:
+    """A user variant (a trainer's own compiled path): flip each of its declared knobs to each other
+    allowed value, one at a time from the failing setting, in the order declared; the first flip that
+    restores the flow is the culprit and its variant the verified fix. It stops there: each trial of a
+    trainer's configuration may be a full compile (minutes with inductor)."""
+    from .variants import _spell, with_user_knobs
+
+    for knob, (_default, allowed) in failing.user_knobs.items():
+        current = failing.knob(knob)
+        for value in allowed:
+            if value == current:
+                continue
+            change = f"{knob}={_spell(current)} → {_spell(value)}"
+            flipped = with_user_knobs(failing, **{knob: value})
+            if trial(knob, change, flipped):
+                b.culprit = {"knob": knob, "change": change}
+                b.fix = {"variant": flipped.name, "ok": True}
+                return
+        b.irrelevant.append(knob)
 
 
 def _knob_values(variant_name: str, knob: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ every scenario; weights are 0-dim tensor inputs, so a compiled variant compiles 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ class VariantContext:
     terms: Sequence[str]
     batch: Any
     weights: Mapping[str, torch.Tensor]
+    knobs: Mapping[str, Any] = field(default_factory=dict)  # a user variant's knob values
 
     def weighted(self) -> Callable[[torch.nn.Module, Any, Mapping[str, torch.Tensor]], Any]:
         """A fresh function ``(model, batch, weights) -> (total, {term: value})`` around the user's step.
@@ -129,13 +131,23 @@ class CompileCounter:
 
 @dataclass
 class Built:
-    """A built variant: its run function, or the error that stopped the build."""
+    """A built variant: its run function, or the error that stopped the build.
+
+    A user variant's builder may return one itself. ``counter`` needs ``graphs`` and ``executions``
+    (a run in which ``executions`` did not grow ran no compiled code and is recorded as such);
+    ``graph`` may be set during the first run (a trainer that traces lazily). Its parameters are the
+    first ``graph_params`` placeholders (default: one per probed parameter, gradprobe's own traces)
+    plus any ``get_attr`` node holding a tensor that requires grad (a trace that baked the module's
+    parameters in). ``advice`` maps a cause name to the fix in this variant's own terms.
+    """
 
     run: Run | None = None
     error: RunError | None = None
-    counter: CompileCounter | None = None
-    graph: torch.fx.GraphModule | None = None  # the make_fx graph, for the locator
+    counter: Any = None
+    graph: torch.fx.GraphModule | None = None  # the traced graph, for the graph lint
     notes: list[str] = field(default_factory=list)
+    graph_params: int | None = None
+    advice: dict[str, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -236,9 +248,10 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
     if variant.capture == "user":
         assert variant.builder is not None
         try:
-            return Built(run=variant.builder(ctx))
+            made = variant.builder(dataclasses.replace(ctx, knobs={**variant.knobs}))
         except Exception as e:
             return Built(error=run_error("build", e))
+        return made if isinstance(made, Built) else Built(run=made)
 
     if variant.capture == "make_fx":
         try:

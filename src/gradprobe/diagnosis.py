@@ -50,8 +50,8 @@ def bisect_failing(
     by_name = {s.name: s for s in scenarios}
     out = []
     for x in measured:
-        if x.variant.capture == "user":
-            continue  # a user variant has no knobs gradprobe can flip
+        if x.variant.capture == "user" and not x.variant.user_knobs:
+            continue  # a user variant without declared knobs has nothing gradprobe can flip
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         is_ref = x.info.name == ref_name
         if is_ref:

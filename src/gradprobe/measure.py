@@ -260,8 +260,9 @@ def per_scenario(
                 m.error = RunError(
                     "compile",
                     "DynamoFallback",
-                    "no compiled graph ran: dynamo ran this step in eager (recompile limit reached, or the frame "
-                    "was skipped), so this run would measure eager, not the compiled path",
+                    getattr(counter, "fallback_message", None)
+                    or "no compiled graph ran: dynamo ran this step in eager (recompile limit reached, or the "
+                    "frame was skipped), so this run would measure eager, not the compiled path",
                 )
             elif not total.requires_grad:
                 m.error = no_grad_path(f"the total loss of scenario {s.name!r}")

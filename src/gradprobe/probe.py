@@ -187,9 +187,7 @@ def run_probe(
                 variant.backend,
                 built.counter.graphs if built is not None and built.counter is not None else None,
                 _graph_breaks() - breaks_before if variant.compiled else None,
-                graph=lint(built.graph, len(params))
-                if built is not None and built.graph is not None
-                else None,
+                graph=_lint(built, len(params)),
             )
             measured.append(_Measured(variant, info, results))
         if spec.second_batch is not None:
@@ -282,6 +280,13 @@ def _terms_caller(spec: ProbeSpec, model: torch.nn.Module, mode: str, terms: lis
         return out[1] if isinstance(out, tuple) else {}
 
     return call
+
+
+def _lint(built: Built | None, n_params: int) -> dict[str, Any] | None:
+    if built is None or built.graph is None:
+        return None
+    found = lint(built.graph, n_params if built.graph_params is None else built.graph_params)
+    return {**found, "advice": dict(built.advice)} if built.advice else found
 
 
 def _compiles(results: list[Measurement]) -> int:

@@ -42,7 +42,9 @@ COMPILE_KNOBS: dict[str, tuple[Any, tuple[Any, ...] | None]] = {
 class VariantSpec:
     """One variant: how the step is captured, which backend compiles it, and the knobs.
 
-    ``builder`` is set for user variants: ``builder(ctx) -> run(batch, weights)``.
+    ``builder`` is set for user variants: ``builder(ctx) -> run(batch, weights)`` (or a
+    ``gradprobe.build.Built``); their knobs are declared in ``user_knobs`` (``{name: (default,
+    allowed values)}``), reach the builder as ``ctx.knobs``, and can be flipped by the bisector.
     """
 
     name: str
@@ -50,6 +52,8 @@ class VariantSpec:
     backend: str | None = None
     knobs: dict[str, Any] = field(default_factory=dict)
     builder: Callable[..., Any] | None = None
+    user_knobs: dict[str, tuple[Any, tuple[Any, ...]]] = field(default_factory=dict)
+    base: str = ""  # a user variant's name without knobs
 
     @property
     def compiled(self) -> bool:
@@ -61,30 +65,65 @@ class VariantSpec:
         return self.capture != "eager" or self.backend is not None
 
     def knob(self, name: str) -> Any:
+        if name in self.user_knobs:
+            return self.knobs.get(name, self.user_knobs[name][0])
         for table in (STEP_KNOBS, MAKE_FX_KNOBS, COMPILE_KNOBS):
             if name in table:
                 return self.knobs.get(name, table[name][0])
         raise KeyError(name)
 
 
-_USER_VARIANTS: dict[str, Callable[..., Any]] = {}
+KnobTable = dict[str, tuple[Any, tuple[Any, ...]]]
+_USER_VARIANTS: dict[str, tuple[Callable[..., Any], KnobTable]] = {}
 
 
-def register_variant(name: str, builder: Callable[..., Any]) -> None:
+def _check_user_name(name: str) -> None:
+    if not name or re.search(r"[,\[\]\s+]", name):
+        raise SpecError(f"variant name {name!r} must be non-empty without commas, brackets, '+' or spaces")
+
+
+def register_variant(name: str, builder: Callable[..., Any], knobs: KnobTable | None = None) -> None:
     """Register a variant built by ``builder(ctx)``, which returns ``run(batch, weights)``.
 
-    ``ctx`` is a ``gradprobe.build.VariantContext`` (the model, the step, the terms, the batch). ``run``
-    must compute the loss through the model's own parameters (so gradients reach them) and return the
-    total loss or ``(total, {term: value})``; ``weights`` maps each term to a 0-dim tensor.
+    ``ctx`` is a ``gradprobe.build.VariantContext`` (the model, the step, the terms, the batch, and
+    ``ctx.knobs``). ``run`` must compute the loss through the model's own parameters (so gradients
+    reach them) and return the total loss or ``(total, {term: value})``; ``weights`` maps each term to
+    a 0-dim tensor. The builder may instead return a ``gradprobe.build.Built`` carrying, besides
+    ``run``, a compile counter (proof that compiled code ran) and the traced graph (for the graph lint).
+    ``knobs`` declares the variant's own knobs, ``{name: (default, allowed values)}``: they are spelled
+    ``name[knob=value]`` and the bisector flips them one at a time.
     """
-    if not name or re.search(r"[,\[\]\s]", name):
-        raise SpecError(f"variant name {name!r} must be non-empty without commas, brackets or spaces")
-    _USER_VARIANTS[name] = builder
+    _check_user_name(name)
+    _USER_VARIANTS[name] = (builder, dict(knobs or {}))
 
 
-def user_variant(name: str, builder: Callable[..., Any]) -> VariantSpec:
-    """A variant object for a one-off builder, to pass in ``variants=[...]`` without registering."""
-    return VariantSpec(name, capture="user", builder=builder)
+def user_variant(
+    name: str, builder: Callable[..., Any], knobs: KnobTable | None = None, **values: Any
+) -> VariantSpec:
+    """A variant object for a one-off builder, to pass in ``variants=[...]`` without registering.
+    ``knobs`` declares its knobs (see ``register_variant``); ``values`` sets some of them."""
+    _check_user_name(name)
+    table = dict(knobs or {})
+    for key, value in values.items():
+        if key not in table:
+            raise SpecError(f"unknown knob {key!r} for {name}{did_you_mean(key, table)}")
+        if value not in table[key][1]:
+            raise SpecError(f"knob {key}={_spell(value)} for {name}: allowed values are "
+                            f"{'|'.join(map(_spell, table[key][1]))}")  # fmt: skip
+    return with_user_knobs(VariantSpec(name, capture="user", builder=builder, user_knobs=table, base=name),
+                           **values)  # fmt: skip
+
+
+def with_user_knobs(v: VariantSpec, **changes: Any) -> VariantSpec:
+    """A user variant with some knobs changed; only non-default values are kept and spelled."""
+    base = v.base or v.name
+    merged = {**v.knobs, **changes}
+    knobs = {k: val for k, val in merged.items() if k in v.user_knobs and val != v.user_knobs[k][0]}
+    shown = [f"{k}={_spell(knobs[k])}" for k in v.user_knobs if k in knobs]
+    name = base + (f"[{','.join(shown)}]" if shown else "")
+    return VariantSpec(
+        name, capture="user", knobs=knobs, builder=v.builder, user_knobs=v.user_knobs, base=base
+    )
 
 
 _PART = re.compile(r"^(?P<head>[A-Za-z_][\w:.-]*?)(\[(?P<knobs>[^\]]*)\])?$")
@@ -102,8 +141,9 @@ def _parse_knobs(text: str | None, table: dict[str, tuple[Any, tuple[Any, ...] |
                 f"unknown knob {key!r} for {part}{did_you_mean(key, table)}; knobs are: "
                 + ", ".join(f"{k}={'|'.join(map(_spell, v[1] or ()))}" for k, v in table.items())
             )
-        value = _value(raw.strip())
         allowed = table[key][1]
+        value = next((a for a in allowed or () if _spell(a).lower() == raw.strip().lower()), None)
+        value = value if value is not None else _value(raw.strip())
         if allowed is not None and value not in allowed:
             raise SpecError(
                 f"knob {key}={raw.strip()} for {part}: allowed values are {'|'.join(map(_spell, allowed))}"
@@ -119,7 +159,9 @@ def _value(raw: str) -> Any:
 
 
 def _spell(v: Any) -> str:
-    return {True: "true", False: "false", None: "none"}.get(v, str(v)) if not isinstance(v, str) else v
+    if v is True or v is False or v is None:
+        return str(v).lower()
+    return str(v)
 
 
 def canonical_name(capture: str, backend: str | None, knobs: dict[str, Any]) -> str:
@@ -140,8 +182,10 @@ def canonical_name(capture: str, backend: str | None, knobs: dict[str, Any]) -> 
 def parse_variant(text: str) -> VariantSpec:
     """One variant from its spelling (see the module docstring)."""
     text = text.strip()
-    if text in _USER_VARIANTS:
-        return VariantSpec(text, capture="user", builder=_USER_VARIANTS[text])
+    m = _PART.match(text)
+    if m is not None and m["head"] in _USER_VARIANTS:
+        builder, table = _USER_VARIANTS[m["head"]]
+        return user_variant(m["head"], builder, table, **_parse_knobs(m["knobs"], table, m["head"]))
     parts = text.split("+")
     if not 1 <= len(parts) <= 2:
         raise SpecError(f"variant {text!r}: at most one '+' (make_fx+compile:<backend>)")

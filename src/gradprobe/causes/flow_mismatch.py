@@ -53,14 +53,24 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         ]
         if not summaries:
             continue
+        message = f"{v} does not match {fm.reference}: " + " | ".join(describe(s) for s in summaries)
+        fix = (
+            f"compare {v} with {fm.reference} parameter by parameter (the diff below); bisect the "
+            "variant's knobs (capture, detach handling, mode, backend) to find the step that breaks it"
+        )
+        bis = fm.bisection(v)
+        if bis is not None and bis.get("summary"):
+            message += f"; bisect: {bis['summary']}"
+            culprit, verified = bis.get("culprit"), bis.get("fix") or {}
+            if culprit is not None and verified.get("ok"):
+                fix = f"{culprit['change']}: {verified['variant']} matches {fm.reference} (verified)"
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{v} does not match {fm.reference}: " + " | ".join(describe(s) for s in summaries),
-                evidence={"variant": v, "reference": fm.reference, "scenarios": summaries},
-                fix=f"compare {v} with {fm.reference} parameter by parameter (the diff below); bisect the "
-                "variant's knobs (capture, detach handling, mode, backend) to find the step that breaks it",
+                message,
+                evidence={"variant": v, "reference": fm.reference, "scenarios": summaries, "bisection": bis},
+                fix=fix,
             )
         )
     return findings

@@ -8,6 +8,11 @@ from .common import differing, names, runs_of, where
 from .flow_mismatch import mismatch_summary
 
 CAUSE = "makefx-detach"
+DEFAULT_FIX = (
+    "trace with detach decomposed to an alias (knob detach=alias; "
+    "gradprobe.build.NO_DETACH_DECOMPOSITION as make_fx's decomposition_table) or strip the "
+    "detach chains before compiling; or upgrade torch"
+)
 
 
 def detect(fm: FlowMap) -> list[Finding]:
@@ -60,9 +65,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "node": first.get("node"),
                     **{k: saved.get(k) for k in ("file", "line", "code", "op") if saved.get(k) is not None},
                 },
-                fix="trace with detach decomposed to an alias (knob detach=alias; "
-                "gradprobe.build.NO_DETACH_DECOMPOSITION as make_fx's decomposition_table) or strip the "
-                "detach chains before compiling; or upgrade torch",
+                fix=(graph.get("advice") or {}).get(CAUSE) or DEFAULT_FIX,
                 references=("https://github.com/pytorch/pytorch/issues/175477",),
             )
         )

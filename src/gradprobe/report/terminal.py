@@ -78,9 +78,9 @@ def _meaning(fm: FlowMap, v: str, s: str, summary: dict) -> str:
     count, ref_count = summary["count"], summary["reference_count"]
     err = summary["max_rel_error"]
     wrong = summary["wrong"]
-    wrong_text = (
-        f"{len(wrong)} of {count} reached have wrong values (rel. error up to {err:.2g})" if wrong else ""
-    )
+    # No finite error to quote when the wrong values are non-finite (NaN/inf on one side).
+    bound = f" (rel. error up to {err:.2g})" if err is not None else " (non-finite)"
+    wrong_text = f"{len(wrong)} of {count} reached have wrong values{bound}" if wrong else ""
     if count == 0 and ref_count > 0:
         head = f"reaches 0/{ref_count} — catastrophic: wrong create_graph (eval mode?) or a backend that drops the term"
     elif count < ref_count:

@@ -1,0 +1,468 @@
+"""DeePMD-kit adapter (deepmd-kit 3.2, ``pt_expt`` backend): probe DeePMD's own uncompiled and compiled
+training paths, term by term, through DeePMD's own switches.
+
+    from gradprobe.adapters.deepmd import DeepmdAdapter
+    from gradprobe import render
+    adapter = DeepmdAdapter.from_config(config)          # a DeePMD input dict (or .from_trainer(trainer))
+    fm = adapter.probe(diagnose=True)                     # uncompiled vs compiled, 4 scenarios
+    print(render(fm))
+
+What it does, and why:
+
+- **Isolation** goes through DeePMD's label switches: ``find_energy`` / ``find_force`` / ``find_virial``
+  are set to the probe's 0-dim weights (DeePMD multiplies each term's prefactor by them). A term the
+  data has no labels for gets synthetic zero labels: for gradient *flow* only their presence matters.
+  DeePMD loads no virial label at all when the virial prefactors are zero, so ``from_config`` turns
+  them on (``start_pref_v = limit_pref_v = 1``) when both are zero, and says so in ``adapter.changes``.
+- **Variants** ``deepmd:uncompiled`` (DeePMD's ``ModelWrapper`` around the model, as
+  ``enable_compile: false`` trains) and ``deepmd:compiled`` (the same wrapper compiled by DeePMD's own
+  ``Trainer._compile_model``: ``_CompiledModel``, ``make_fx`` of ``forward_lower``, detach stripping,
+  ``torch.compile``), sharing the same parameter tensors and the same batch. Each build compiles a
+  fresh wrapper: the user's trainer and its compiled graphs are never touched.
+- **Proof that the compiled path ran**: DeePMD 3.2's ``_CompiledModel`` runs its eager original in eval
+  mode, so the compiled configuration runs the wrapper in train mode and counts calls of the compiled
+  graph; a measurement in which it did not run is recorded as a failure, not as a match.
+- **Knobs** of ``deepmd:compiled`` (what the bisector flips): ``detach=strip|keep`` (DeePMD strips the
+  ``aten.detach`` nodes ``make_fx`` records for saved tensors; ``keep`` skips that, the bug it
+  guards against) and ``backend=inductor|aot_eager|eager`` (DeePMD compiles with inductor; the others
+  rebuild DeePMD's last step, strip + rebuild + ``torch.compile``, with another backend).
+- **Graph lint**: the traced ``forward_lower`` graph as it is compiled (after stripping) is kept, so
+  ``makefx-detach`` can name the detach nodes left on parameter-dependent tensors.
+
+Install: ``pip install 'gradprobe[deepmd]'``. DeePMD's prebuilt op library targets one torch release;
+on another, build it from source against the installed torch (see the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..build import Built
+from ..errors import SpecError
+from ..flowmap import FlowMap
+from ..variants import KnobTable
+
+TERMS = ("energy", "force", "virial")
+_HAS = {"energy": "has_e", "force": "has_f", "virial": "has_v"}
+COMPILED_KNOBS: KnobTable = {
+    "detach": ("strip", ("strip", "keep")),
+    "backend": ("inductor", ("inductor", "aot_eager", "eager")),
+}
+_STRIP_ADVICE = (
+    "keep DeePMD's detach stripping on: _finalize_compiled_lower must call "
+    "strip_saved_tensor_detach(traced, remove_all=True) before torch.compile (deepmd-kit >= 3.2 does; "
+    "a patched or older compile path that skips it loses d(force)/d(params))"
+)
+
+
+def _require_deepmd() -> Any:
+    try:
+        import deepmd.pt_expt.train.training as training
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "the DeePMD-kit adapter needs deepmd-kit 3.2 with its pt_expt backend: "
+            "pip install 'gradprobe[deepmd]' (see the README for building it against your torch)"
+        ) from e
+    return training
+
+
+# --- a tiny synthetic system in DeePMD's npy layout -------------------------------------------
+
+
+def write_synthetic_system(
+    path: str | Path,
+    *,
+    natoms: int = 6,
+    nframes: int = 2,
+    type_map: Sequence[str] = ("O", "H"),
+    box: float = 6.0,
+    with_virial: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a small random periodic system DeePMD can train on: ``type.raw``, ``type_map.raw``,
+    ``set.000/{coord,box,energy,force}.npy`` (and ``virial.npy`` with ``with_virial``). The labels are
+    random: they serve gradient-flow probes, not physics. Returns the system's directory."""
+    root = Path(path)
+    (root / "set.000").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    types = np.arange(natoms) % len(type_map)
+    (root / "type.raw").write_text("".join(f"{t}\n" for t in types))
+    (root / "type_map.raw").write_text("".join(f"{t}\n" for t in type_map))
+    coord = rng.uniform(0.0, box, size=(nframes, natoms * 3))
+    np.save(root / "set.000" / "coord.npy", coord)
+    np.save(root / "set.000" / "box.npy", np.tile((np.eye(3) * box).reshape(-1), (nframes, 1)))
+    np.save(root / "set.000" / "energy.npy", rng.normal(size=nframes))
+    np.save(root / "set.000" / "force.npy", rng.normal(size=(nframes, natoms * 3)))
+    if with_virial:
+        np.save(root / "set.000" / "virial.npy", rng.normal(size=(nframes, 9)))
+    return root
+
+
+def se_e2_a_config(
+    systems: str | Path | Sequence[str | Path],
+    *,
+    type_map: Sequence[str] = ("O", "H"),
+    precision: str = "float64",
+    rcut: float = 4.0,
+    seed: int = 1,
+    workdir: str | Path | None = None,
+) -> dict[str, Any]:
+    """A small DeePMD ``se_e2_a`` energy-model input dict (energy, force and virial prefactors on)."""
+    paths = [str(systems)] if isinstance(systems, (str, Path)) else [str(s) for s in systems]
+    out = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="gradprobe-deepmd-"))
+    return {
+        "model": {
+            "type_map": list(type_map),
+            "descriptor": {
+                "type": "se_e2_a",
+                "sel": [24] * len(type_map),
+                "rcut_smth": 0.5,
+                "rcut": rcut,
+                "neuron": [4, 8],
+                "axis_neuron": 4,
+                # type_one_side=false sorts atoms by type with a data-dependent int(): DeePMD 3.2's
+                # compiled path cannot trace it (GuardOnDataDependentSymNode).
+                "type_one_side": True,
+                "precision": precision,
+                "seed": seed,
+            },
+            "fitting_net": {"neuron": [8, 8], "precision": precision, "seed": seed},
+        },
+        "learning_rate": {"type": "exp", "start_lr": 1e-3, "stop_lr": 1e-5, "decay_steps": 100},
+        "loss": {
+            "type": "ener",
+            "start_pref_e": 0.02,
+            "limit_pref_e": 1.0,
+            "start_pref_f": 1000.0,
+            "limit_pref_f": 1.0,
+            "start_pref_v": 1.0,
+            "limit_pref_v": 1.0,
+        },
+        "training": {
+            "training_data": {"systems": paths, "batch_size": 1},
+            "numb_steps": 10,
+            "seed": seed,
+            "disp_file": str(out / "lcurve.out"),
+            "save_ckpt": str(out / "model.ckpt"),
+        },
+    }
+
+
+# --- the adapter ---------------------------------------------------------------------------------
+
+
+class _CompiledCounter:
+    """Counts calls of DeePMD's compiled graph (``executions``) and graphs dynamo compiled (``graphs``)."""
+
+    fallback_message = (
+        "DeePMD's compiled graph did not run: _CompiledModel ran its eager original (it does so in eval "
+        "mode), so this run would measure eager against eager"
+    )
+
+    def __init__(self) -> None:
+        self.executions = 0
+        self.graphs = 0
+        self.traces = 0
+
+
+def _dynamo_graphs() -> int:
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
+@contextlib.contextmanager
+def _train_mode(module: torch.nn.Module) -> Iterator[None]:
+    saved = [(m, m.training) for m in module.modules()]
+    module.train(True)
+    try:
+        yield
+    finally:
+        for m, training in saved:
+            m.training = training
+
+
+@contextlib.contextmanager
+def _traced_with_source_lines() -> Iterator[None]:
+    """DeePMD imports ``make_fx`` when it traces: have it record stack traces and module stacks, so
+    the graph lint can name the DeePMD source line of a detach node. Tracing is otherwise unchanged."""
+    import functools
+
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    original = proxy_tensor.make_fx
+    proxy_tensor.make_fx = functools.partial(original, record_stack_traces=True, record_module_stack=True)
+    try:
+        yield
+    finally:
+        proxy_tensor.make_fx = original
+
+
+_FITTING_LAYER = re.compile(r"^(?P<net>.*fitting_net\.nets\._module_networks\.\d+)\.layers\.(?P<i>\d+)\.b$")
+
+
+def _output_bias_notes(model: torch.nn.Module) -> dict[str, str]:
+    """The fitting nets' output biases move every atom's energy by a per-type constant: no force or
+    virial depends on them, so force-only and virial-only runs rightly leave them unreached."""
+    last: dict[str, tuple[int, str]] = {}
+    for name, _ in model.named_parameters():
+        m = _FITTING_LAYER.match(name)
+        if m and int(m["i"]) >= last.get(m["net"], (-1, ""))[0]:
+            last[m["net"]] = (int(m["i"]), name)
+    why = "output bias of a fitting net: a per-type energy constant, no force or virial depends on it"
+    return {name: why for _, name in last.values()}
+
+
+class DeepmdAdapter:
+    """A DeePMD-kit ``pt_expt`` trainer seen through gradprobe's trainer protocol."""
+
+    name = "deepmd"
+    configurations: ClassVar[dict[str, KnobTable]] = {"uncompiled": {}, "compiled": COMPILED_KNOBS}
+
+    def __init__(
+        self,
+        trainer: Any,
+        *,
+        terms: Sequence[str] | None = None,
+        compile_options: Mapping[str, Any] | None = None,
+        changes: Sequence[str] = (),
+    ) -> None:
+        self._training = _require_deepmd()
+        if getattr(trainer, "multi_task", False):
+            raise SpecError("the DeePMD adapter probes single-task trainers; probe each task's trainer")
+        self.trainer = trainer
+        self.model: torch.nn.Module = trainer.model  # the raw model (compilation only wraps it)
+        self.loss_fn = trainer.loss
+        available = [t for t in TERMS if getattr(self.loss_fn, _HAS[t], False)]
+        if terms is None:
+            terms = available
+        off = [t for t in terms if t not in available]
+        if off:
+            raise SpecError(
+                f"term(s) {', '.join(off)} have zero prefactors in this DeePMD loss, so DeePMD computes no "
+                f"such term (and loads no labels for it); terms available: {', '.join(available)}"
+            )
+        if not terms:
+            raise SpecError("this DeePMD loss has no energy, force or virial term to probe")
+        self.terms = tuple(terms)
+        self.changes = list(changes)
+        self.cur_lr = float(trainer.scheduler.get_last_lr()[0])
+        self.compile_options = dict(compile_options or {})  # training.compile_options (inductor options)
+        self._batches: list[Any] = []
+        self.notes: dict[str, str] = _output_bias_notes(self.model)
+
+    # construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        terms: Sequence[str] | None = None,
+        enable_virial: bool = True,
+    ) -> DeepmdAdapter:
+        """Build a DeePMD trainer from an input dict (as ``dp --pt-expt train`` reads it) and adapt it.
+        The input is copied; the compiled configuration takes ``training.compile_options`` from it."""
+        _require_deepmd()
+        from deepmd.pt_expt.entrypoints.main import get_trainer
+        from deepmd.utils.argcheck import normalize
+        from deepmd.utils.compat import update_deepmd_input
+
+        cfg = copy.deepcopy(dict(config))
+        changes = []
+        loss = cfg.setdefault("loss", {})
+        wants_virial = enable_virial and (terms is None or "virial" in terms)
+        if wants_virial and not loss.get("start_pref_v") and not loss.get("limit_pref_v"):
+            loss["start_pref_v"] = loss["limit_pref_v"] = 1.0
+            changes.append(
+                "virial prefactors were 0 (no virial term): set to 1 so the virial term can be probed"
+            )
+        compile_options = dict(cfg.get("training", {}).get("compile_options", {}) or {})
+        cfg.setdefault("training", {})["enable_compile"] = False  # gradprobe compiles its own wrapper
+        cfg = normalize(update_deepmd_input(cfg, warning=False), multi_task=False)
+        return cls(get_trainer(cfg), terms=terms, compile_options=compile_options, changes=changes)
+
+    @classmethod
+    def from_trainer(
+        cls,
+        trainer: Any,
+        *,
+        terms: Sequence[str] | None = None,
+        compile_options: Mapping[str, Any] | None = None,
+    ) -> DeepmdAdapter:
+        """Adapt an existing ``deepmd.pt_expt.train.training.Trainer`` (compiled or not; its own compiled
+        graphs are not used or touched). One or two batches are drawn from its training data, so its
+        data iterator moves on by that much."""
+        return cls(trainer, terms=terms, compile_options=compile_options)
+
+    # the protocol -----------------------------------------------------------------------------
+
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    def batch(self) -> Any:
+        if not self._batches:
+            self._batches.append(self._draw())
+        return self._batches[0]
+
+    def second_batch(self) -> Any:
+        self.batch()
+        if len(self._batches) < 2:
+            self._batches.append(self._draw())
+        return self._batches[1]
+
+    def _draw(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        state = torch.random.get_rng_state(), np.random.get_state()
+        try:
+            inputs, labels = self.trainer.get_data(is_train=True)
+        finally:
+            torch.random.set_rng_state(state[0])
+            np.random.set_state(state[1])
+        return inputs, labels
+
+    def labels(self, labels: Mapping[str, Any], weights: Mapping[str, torch.Tensor], inputs: Any) -> dict:
+        """DeePMD's labels with each term's ``find_*`` switch set to its weight; synthetic zero labels
+        for a probed term the data lacks."""
+        out = dict(labels)
+        coord = inputs["coord"]
+        nframes = coord.shape[0]
+        shapes = {"energy": (nframes, 1), "force": (nframes, coord.shape[-1]), "virial": (nframes, 9)}
+        for t in self.terms:
+            if t not in out:
+                out[t] = torch.zeros(shapes[t], dtype=coord.dtype, device=coord.device)
+            out[f"find_{t}"] = weights[t]
+        return out
+
+    def _wrapper(self, model: torch.nn.Module) -> torch.nn.Module:
+        from deepmd.pt_expt.train.wrapper import ModelWrapper
+
+        return ModelWrapper(model, self.loss_fn, matmul_precision=self.trainer.matmul_precision)
+
+    def _call(
+        self, wrapper: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        inputs, labels = batch
+        with _train_mode(wrapper):
+            _, loss, _more = wrapper(**inputs, cur_lr=self.cur_lr, label=self.labels(labels, weights, inputs))
+        return loss
+
+    def loss(self, model: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The uncompiled path: DeePMD's ``ModelWrapper`` (model + loss) in train mode, on ``model``."""
+        return self._call(self._wrapper(model), batch, weights)
+
+    def build(self, configuration: str, knobs: Mapping[str, Any]) -> Built:
+        if configuration != "compiled":
+            raise SpecError(f"DeePMD adapter: unknown configuration {configuration!r}")
+        training = self._training
+        training.check_compile_torch_version()
+        detach = knobs.get("detach", COMPILED_KNOBS["detach"][0])
+        backend = knobs.get("backend", COMPILED_KNOBS["backend"][0])
+        wrapper = self._wrapper(self.model)
+        # DeePMD's own compile step, on a fresh wrapper: what enable_compile does in Trainer.__init__.
+        stand_in = SimpleNamespace(
+            wrapper=wrapper,
+            model_keys=list(self.trainer.model_keys),
+            _shared_links=getattr(self.trainer, "_shared_links", None),
+            compile_infer=False,
+            multi_task=False,
+        )
+        training.Trainer._compile_model(stand_in, self.compile_options)
+        counter = _CompiledCounter()
+        built = Built(counter=counter, graph_params=0, advice={"makefx-detach": _STRIP_ADVICE})
+        built.notes.append(f"DeePMD compiled path: detach={detach}, backend={backend}")
+        finalize = self._finalize(training, detach, backend, counter, built)
+
+        def run(batch: Any, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            original = training._finalize_compiled_lower
+            training._finalize_compiled_lower = finalize
+            try:
+                with _traced_with_source_lines():
+                    return self._call(wrapper, batch, weights)
+            finally:
+                training._finalize_compiled_lower = original
+
+        built.run = run
+        return built
+
+    @staticmethod
+    def _finalize(training: Any, detach: str, backend: str, counter: _CompiledCounter, built: Built) -> Any:
+        """A stand-in for DeePMD's ``_finalize_compiled_lower`` (called once, on the lazy first trace):
+        the original (inductor) or its three steps with another backend, with the detach knob
+        applied, the compiled graph kept for the lint, and its calls counted."""
+        original_finalize = training._finalize_compiled_lower
+        original_strip = training._strip_saved_tensor_detach
+        original_rebuild = training._rebuild_graph_module
+
+        def rebuild(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+            built.graph = original_rebuild(gm)
+            return built.graph
+
+        def no_strip(gm: torch.fx.GraphModule, *, remove_all: bool = False) -> None:
+            del gm, remove_all
+
+        def finalize(traced: torch.fx.GraphModule, compile_opts: Any, extra_options: Any = None) -> Any:
+            counter.traces += 1
+            training._rebuild_graph_module = rebuild
+            if detach == "keep":
+                training._strip_saved_tensor_detach = no_strip
+            try:
+                if backend == "inductor":
+                    compiled = original_finalize(traced, compile_opts, extra_options)
+                else:
+                    training._strip_saved_tensor_detach(traced, remove_all=True)
+                    gm = training._rebuild_graph_module(traced)
+                    training.apply_global_compile_patches()
+                    compiled = torch.compile(gm, backend=backend, dynamic=True)
+            finally:
+                training._rebuild_graph_module = original_rebuild
+                training._strip_saved_tensor_detach = original_strip
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                before = _dynamo_graphs()
+                counter.executions += 1
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    counter.graphs += _dynamo_graphs() - before
+
+            return counted
+
+        return finalize
+
+    # convenience ------------------------------------------------------------------------------
+
+    def probe(
+        self,
+        *,
+        configurations: Sequence[str] | None = None,
+        detach: str | None = None,
+        backend: str | None = None,
+        diagnose: bool = False,
+        checks: Sequence[str] = (),
+        **spec_fields: Any,
+    ) -> FlowMap:
+        """Probe uncompiled vs compiled (``detach``/``backend`` set the compiled path's knobs)."""
+        from ..trainer import probe_trainer
+
+        knobs = {k: v for k, v in (("detach", detach), ("backend", backend)) if v is not None}
+        return probe_trainer(
+            self,
+            configurations=configurations,
+            knobs={"compiled": knobs},
+            diagnose=diagnose,
+            checks=checks,
+            **spec_fields,
+        )
+
+
+__all__ = ["COMPILED_KNOBS", "TERMS", "DeepmdAdapter", "se_e2_a_config", "write_synthetic_system"]

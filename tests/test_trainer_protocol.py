@@ -1,0 +1,117 @@
+"""The generic trainer protocol, on the plain custom trainer of ``examples/custom_trainer.py``: its
+configurations become variants compared value by value, its declared knobs are spelled, parsed and
+flipped by the bisector, and a bad adapter gets a clear error."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradprobe.build import Built, CompileCounter
+from gradprobe.errors import SpecError
+from gradprobe.trainer import probe_trainer, trainer_spec, trainer_variants
+from gradprobe.variants import parse_variant, register_variant, user_variant
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def example():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("custom_trainer_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configurations_become_variants(example) -> None:  # type: ignore[no-untyped-def]
+    adapter = example.TinyTrainerAdapter(example.TinyTrainer())
+    variants = trainer_variants(adapter, knobs={"compiled": {"backend": "eager"}})
+    assert [v.name for v in variants] == ["tiny:plain", "tiny:compiled[backend=eager]"]
+    assert variants[1].knob("backend") == "eager" and variants[1].knob("detach_aux") is False
+    spec = trainer_spec(adapter)
+    assert spec.resolved_mode() == "weights" and list(spec.terms) == ["fit", "aux"]
+    with pytest.raises(SpecError, match="no configuration 'jit'"):
+        trainer_variants(adapter, ["jit"])
+    with pytest.raises(SpecError, match="allowed values"):
+        trainer_variants(adapter, knobs={"compiled": {"backend": "inductor!"}})
+
+
+def test_clean_trainer_compiled_matches_plain(example) -> None:  # type: ignore[no-untyped-def]
+    adapter = example.TinyTrainerAdapter(example.TinyTrainer())
+    before = {k: v.clone() for k, v in adapter.module().state_dict().items()}
+    fm = probe_trainer(adapter, knobs={"compiled": {"backend": "eager"}})
+    assert fm.reference == "tiny:plain"
+    for s in fm.scenario_names:
+        assert fm.count("tiny:compiled[backend=eager]", s) == fm.count("tiny:plain", s)
+    assert fm.count("tiny:plain", "fit only") == (4, 6) and fm.count("tiny:plain", "aux only") == (4, 6)
+    assert fm.checks["consistency"]["variants"]["tiny:compiled[backend=eager]"]["passed"]
+    assert not fm.errors()
+    assert all(torch.equal(before[k], v) for k, v in adapter.module().state_dict().items())
+
+
+def test_bisector_flips_the_trainers_own_knob(example) -> None:  # type: ignore[no-untyped-def]
+    adapter = example.TinyTrainerAdapter(example.TinyTrainer())
+    fm = probe_trainer(adapter, knobs={"compiled": {"detach_aux": True, "backend": "eager"}}, diagnose=True)
+    name = "tiny:compiled[detach_aux=true,backend=eager]"
+    assert fm.count(name, "aux only") == (2, 6)
+    (finding,) = fm.errors()
+    assert finding.cause == "flow-mismatch" and "trunk.weight" in finding.message
+    bis = fm.bisection(name)
+    assert bis is not None and bis["culprit"] == {"knob": "detach_aux", "change": "detach_aux=true → false"}
+    assert bis["fix"] == {"variant": "tiny:compiled[backend=eager]", "ok": True}
+    assert "verified" in finding.fix
+
+
+def test_user_variant_knobs_are_spelled_and_parsed() -> None:
+    def builder(ctx):  # type: ignore[no-untyped-def]
+        assert ctx.knobs == {"level": 2}
+        return Built(run=lambda batch, weights: weights["a"] * ctx.model(batch).sum())
+
+    table = {"level": (1, (1, 2)), "fast": (False, (False, True))}
+    register_variant("mytrainer", builder, table)
+    v = parse_variant("mytrainer[level=2]")
+    assert v.name == "mytrainer[level=2]" and v.knobs == {"level": 2} and v.capture == "user"
+    assert parse_variant("mytrainer[level=1]").name == "mytrainer"  # defaults are not spelled
+    with pytest.raises(SpecError, match="unknown knob 'speed'"):
+        parse_variant("mytrainer[speed=1]")
+    with pytest.raises(SpecError, match="allowed values"):
+        user_variant("x", builder, table, level=3)
+    with pytest.raises(SpecError, match="without commas"):
+        register_variant("a+b", builder)
+    from gradprobe import probe
+
+    model = torch.nn.Linear(3, 1)
+    fm = probe(model, lambda m, b, w: w["a"] * m(b).sum(), torch.ones(2, 3), terms=["a"],
+               variants=["eager", v])  # fmt: skip
+    assert fm.count("mytrainer[level=2]", "a only") == (2, 2)
+
+
+def test_counter_of_a_built_variant_proves_compiled_runs() -> None:
+    """A builder returning ``Built`` with a counter whose executions do not grow is a fallback."""
+
+    class Never:
+        graphs = 0
+        executions = 0
+        fallback_message = "the compiled graph never ran"
+
+    def builder(ctx):  # type: ignore[no-untyped-def]
+        return Built(run=lambda batch, weights: weights["a"] * ctx.model(batch).sum(), counter=Never())
+
+    from gradprobe import probe
+
+    fm = probe(torch.nn.Linear(3, 1), lambda m, b, w: w["a"] * m(b).sum(), torch.ones(2, 3), terms=["a"],
+               variants=["eager", user_variant("fake-compiled", builder)])  # fmt: skip
+    run = fm.run("fake-compiled", "a only")
+    assert run.error is not None and run.error.message == "the compiled graph never ran"
+    assert isinstance(CompileCounter("eager").executions, int)  # the built-in counter has the same shape
+
+
+def test_not_an_adapter() -> None:
+    with pytest.raises(SpecError, match="lacks"):
+        trainer_variants(object())  # type: ignore[arg-type]
