@@ -150,3 +150,16 @@ def test_virial_prefactors_are_turned_on(tmp_path) -> None:  # type: ignore[no-u
     assert config["loss"]["start_pref_v"] == 0.0  # the user's dict is not modified
     with pytest.raises(SpecError, match="zero prefactors"):
         DeepmdAdapter.from_config(config, terms=["energy", "virial"], enable_virial=False)
+
+
+def test_the_example_runs(capsys) -> None:  # type: ignore[no-untyped-def]
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "deepmd_probe.py"
+    main = runpy.run_path(str(example))["main"]
+    assert main(["--backend", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "deepmd:compiled[backend=eager]" in out and "force only:            20/22               20/22" in out
+    )

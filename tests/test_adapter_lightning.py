@@ -136,3 +136,16 @@ def test_step_terms_contract() -> None:
         step_terms(t, ["a"])
     with pytest.raises(StepContractError, match="list"):
         step_terms([t])
+
+
+def test_the_example_runs(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "lightning_probe.py"
+    monkeypatch.setattr("tempfile.mkdtemp", lambda prefix="": str(tmp_path))
+    main = runpy.run_path(str(example))["main"]
+    assert main([]) == 0
+    assert "trained 5 steps" in capsys.readouterr().out
+    assert (tmp_path / "gradprobe.html").exists()
+    assert main(["--strict"]) == 1  # fail_on_error stops the run with the broken term
