@@ -115,3 +115,24 @@ def test_counter_of_a_built_variant_proves_compiled_runs() -> None:
 def test_not_an_adapter() -> None:
     with pytest.raises(SpecError, match="lacks"):
         trainer_variants(object())  # type: ignore[arg-type]
+
+
+def test_gradprobe_run_takes_an_adapter(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from gradprobe.cli import main
+
+    probe_py = tmp_path / "probe.py"
+    probe_py.write_text(
+        "import runpy\n"
+        f"ns = runpy.run_path({str(EXAMPLE)!r})\n"
+        "def spec():\n"
+        "    return ns['TinyTrainerAdapter'](ns['TinyTrainer']())\n"
+    )
+    assert (
+        main(["run", str(probe_py), "--variants", "compiled[detach_aux=true,backend=eager]", "--diagnose"])
+        == 1
+    )
+    out = capsys.readouterr().out
+    assert "tiny:compiled[detach_aux=true,backend=eager]" in out and "detach_aux=true → false" in out
+    assert main(["run", str(probe_py), "--variants", "tiny:compiled[backend=eager]"]) == 0
+    assert main(["run", str(probe_py), "--variants", "jit"]) == 2
+    assert "no configuration 'jit'" in capsys.readouterr().err

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     run = sub.add_parser(
-        "run", help="probe a spec: FILE.py[:FUNCTION], FUNCTION returning a gradprobe.ProbeSpec"
+        "run",
+        help="probe a spec: FILE.py[:FUNCTION], FUNCTION returning a gradprobe.ProbeSpec or a trainer adapter",
     )
     run.add_argument("target", metavar="FILE.py[:FUNCTION]", help="FUNCTION defaults to 'spec'")
     _common(run)
@@ -124,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_spec(target: str, **kwargs: Any) -> ProbeSpec:
-    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts."""
+def load_spec(target: str, **kwargs: Any) -> Any:
+    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts. It
+    returns a ``ProbeSpec``, or a trainer adapter (``gradprobe.trainer.TrainerAdapter``)."""
     path_text, _, func_name = target.rpartition(":") if ":" in target else (target, "", "")
     path = Path(path_text)
     func_name = func_name or "spec"
@@ -151,11 +153,18 @@ def load_spec(target: str, **kwargs: Any) -> ProbeSpec:
         )
     accepted = inspect.signature(func).parameters
     result = func(**{k: v for k, v in kwargs.items() if v is not None and k in accepted})
-    if not isinstance(result, ProbeSpec):
+    if not isinstance(result, ProbeSpec) and not _is_adapter(result):
         raise SpecError(
-            f"{path}:{func_name}() returned {type(result).__name__}, expected a gradprobe.ProbeSpec"
+            f"{path}:{func_name}() returned {type(result).__name__}, expected a gradprobe.ProbeSpec "
+            "or a trainer adapter (gradprobe.trainer)"
         )
     return result
+
+
+def _is_adapter(obj: Any) -> bool:
+    from .trainer import TrainerAdapter
+
+    return isinstance(obj, TrainerAdapter)
 
 
 def _dtype(name: str | None) -> Any:
@@ -308,6 +317,8 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
                 world_size=dist.get_world_size(),
             )
         )
+        if error is None and _is_adapter(spec):
+            error = SpecError("a trainer adapter cannot be probed with --nproc: run it without")
         _gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
         fm = probe_distributed(
             spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks
@@ -368,6 +379,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _distributed_run(args, checks, diagnose)
             spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
         checks = [c.strip() for c in args.check.split(",") if c.strip()]
+        if _is_adapter(spec):
+            from .trainer import parse_configurations, probe_trainer
+
+            if args.reference:
+                raise SpecError("a trainer adapter's reference is its first configuration: drop --reference")
+            configurations, knobs = parse_configurations(spec, args.variants)
+            fm = probe_trainer(
+                spec, configurations=configurations, knobs=knobs, diagnose=diagnose, checks=checks
+            )
+            return _report(fm, args.json, args.all, args.html, args.markdown)
         fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:

@@ -119,6 +119,32 @@ def _builder(adapter: TrainerAdapter, configuration: str) -> Callable[..., Any]:
     return builder
 
 
+def parse_configurations(
+    adapter: TrainerAdapter, text: str | None
+) -> tuple[list[str] | None, dict[str, dict[str, Any]]]:
+    """``"compiled[detach=keep]"`` or ``"deepmd:uncompiled,deepmd:compiled[backend=aot_eager]"`` (the
+    command line's ``--variants`` for an adapter) as configurations and knob values."""
+    from .variants import _PART, _parse_knobs, _split
+
+    if not text:
+        return None, {}
+    configurations: list[str] = []
+    knobs: dict[str, dict[str, Any]] = {}
+    for item in _split(text):
+        m = _PART.match(item)
+        head = m["head"].removeprefix(f"{adapter.name}:") if m is not None else item
+        if m is None or head not in adapter.configurations:
+            raise SpecError(
+                f"{adapter.name} has no configuration {item!r}; it has: "
+                + ", ".join(variant_name(adapter, c) for c in adapter.configurations)
+            )
+        configurations.append(head)
+        knobs[head] = _parse_knobs(
+            m["knobs"], dict(adapter.configurations[head]), variant_name(adapter, head)
+        )
+    return configurations, knobs
+
+
 def trainer_spec(adapter: TrainerAdapter, **spec_fields: Any) -> ProbeSpec:
     """A weights-mode spec around the adapter: its module, its batch, its terms, its reference loss."""
     _check(adapter)
@@ -158,4 +184,11 @@ def probe_trainer(
     return run_probe(spec, variants, variants[0].name, diagnose, tuple(checks))
 
 
-__all__ = ["TrainerAdapter", "probe_trainer", "trainer_spec", "trainer_variants", "variant_name"]
+__all__ = [
+    "TrainerAdapter",
+    "parse_configurations",
+    "probe_trainer",
+    "trainer_spec",
+    "trainer_variants",
+    "variant_name",
+]
