@@ -3,7 +3,10 @@ the run continues; ``fail_on_error`` stops a run whose step has a broken term; t
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,34 +16,33 @@ L = pytest.importorskip("lightning.pytorch")
 from gradprobe.adapters.lightning import GradProbeCallback, GradProbeFailedError, step_terms  # noqa: E402
 from gradprobe.errors import StepContractError  # noqa: E402
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_probe.py"
 
-class TwoHeads(L.LightningModule):
-    """A trunk with two heads; ``aux_head`` is built but never used (the deliberate bug)."""
+
+def _load_example():  # type: ignore[no-untyped-def]
+    # A real module in sys.modules: dynamo looks classes up by their module (runpy's '<run_path>' fails).
+    spec = importlib.util.spec_from_file_location("lightning_probe_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load_example()
+Regressor = example.Regressor  # the example's module: trunk, head, and a head it never uses
+
+
+class TwoHeads(Regressor):  # type: ignore[misc, valid-type]
+    """The example's module; ``uncertainty_head`` is built but never used (the deliberate bug)."""
 
     def __init__(self, broken: bool = False) -> None:
-        super().__init__()
-        self.trunk = torch.nn.Linear(4, 8)
-        self.head = torch.nn.Linear(8, 1)
-        self.aux_head = torch.nn.Linear(8, 1)
-        self.broken = broken
+        super().__init__(broken)
         self.logged: list[str] = []
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        x, y = batch
-        h = torch.tanh(self.trunk(x))
-        fit = (self.head(h) - y).pow(2).mean()
-        smooth = h.pow(2).mean()
-        if self.broken:
-            smooth = torch.sqrt(smooth - smooth)  # d sqrt(0) = inf: a non-finite gradient
-        self.log("fit", fit)
-        return {"loss": fit + 0.1 * smooth, "fit": fit, "smooth": smooth}
 
     def log(self, name, value, *args, **kwargs):  # type: ignore[no-untyped-def, override]
         self.logged.append(name)  # counts the calls that reach Lightning's logging
         super().log(name, value, *args, **kwargs)
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def _loader() -> torch.utils.data.DataLoader:
@@ -75,12 +77,16 @@ def test_callback_writes_a_report_naming_the_unused_head(tmp_path) -> None:
     assert fm is not None and fm.terms == ("fit", "smooth")
     # The unused head is named, both in the findings and in every report file.
     unused = [f for f in fm.findings if f.cause == "unused-parameter"]
-    assert unused and "aux_head.weight" in unused[0].message and "aux_head.bias" in unused[0].message
-    assert fm.count("eager", "fit only") == (4, 6)  # trunk + head, not aux_head
+    assert (
+        unused
+        and "uncertainty_head.weight" in unused[0].message
+        and "uncertainty_head.bias" in unused[0].message
+    )
+    assert fm.count("eager", "fit only") == (4, 6)  # trunk + head, not uncertainty_head
     assert fm.count("eager", "smooth only") == (2, 6)  # trunk only
     for kind in ("html", "markdown", "json"):
         text = callback.report_paths[kind].read_text(encoding="utf-8")
-        assert "aux_head.weight" in text, kind
+        assert "uncertainty_head.weight" in text, kind
     assert json.loads(callback.report_paths["json"].read_text())["terms"] == ["fit", "smooth"]
     # The probe's calls of training_step did not log: only the 3 real steps did.
     assert module.logged.count("fit") == 3
@@ -139,12 +145,8 @@ def test_step_terms_contract() -> None:
 
 
 def test_the_example_runs(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
-    import runpy
-    from pathlib import Path
-
-    example = Path(__file__).resolve().parents[1] / "examples" / "lightning_probe.py"
     monkeypatch.setattr("tempfile.mkdtemp", lambda prefix="": str(tmp_path))
-    main = runpy.run_path(str(example))["main"]
+    main = example.main
     assert main([]) == 0
     assert "trained 5 steps" in capsys.readouterr().out
     assert (tmp_path / "gradprobe.html").exists()
