@@ -3,33 +3,19 @@ the run continues; ``fail_on_error`` stops a run whose step has a broken term; t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
+from examples_loader import load_example  # noqa: E402
+
 from gradprobe.adapters.lightning import GradProbeCallback, GradProbeFailedError, step_terms  # noqa: E402
 from gradprobe.errors import StepContractError  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_probe.py"
-
-
-def _load_example():  # type: ignore[no-untyped-def]
-    # A real module in sys.modules: dynamo looks classes up by their module (runpy's '<run_path>' fails).
-    spec = importlib.util.spec_from_file_location("lightning_probe_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
+example = load_example("lightning_probe.py")
 Regressor = example.Regressor  # the example's module: trunk, head, and a head it never uses
 
 

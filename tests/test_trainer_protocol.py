@@ -4,29 +4,21 @@ flipped by the bisector, and a bad adapter gets a clear error."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from examples_loader import EXAMPLES, load_example
 
 from gradprobe.build import Built, CompileCounter
 from gradprobe.errors import SpecError
 from gradprobe.trainer import probe_trainer, trainer_spec, trainer_variants
 from gradprobe.variants import parse_variant, register_variant, user_variant
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_trainer.py"
+EXAMPLE = EXAMPLES / "custom_trainer.py"
 
 
 @pytest.fixture(scope="module")
 def example():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("custom_trainer_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("custom_trainer.py")
 
 
 def test_configurations_become_variants(example) -> None:  # type: ignore[no-untyped-def]
