@@ -120,3 +120,118 @@ def test_batch_is_not_modified_by_differentiable_inputs():
 
     gradprobe.probe(model, f, batch, differentiable_inputs=["x"])
     assert not batch["x"].requires_grad
+
+
+class Tied(nn.Module):
+    """A plain layer, BatchNorm, a transposed (non-contiguous) parameter, an expanded (overlapping)
+    buffer, and an integer buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.wt = nn.Parameter(torch.randn(2, 4).t())  # (4, 2), strides (1, 4)
+        self.register_buffer("scale", torch.ones(4, 1).expand(4, 2))  # stride 0: elements share memory
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+
+    def forward(self, x):
+        return (self.norm(self.lin(x)) @ self.wt * self.scale[0]).sum(1)
+
+
+def _values(model):
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {
+        n: (t.detach().clone(), t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
+        for n, t in named.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "data_mul",  # through p.data: a version counter of its own, p._version never moves
+        "numpy",  # through NumPy: no version counter at all
+        "no_grad_inplace",
+        "data_replaced",  # p.data = another tensor
+        "dtype_view",  # same storage, sizes and strides, another dtype (a buffer: parameters refuse)
+        "resized",
+        "grad_data",  # the user's .grad object edited through .data
+        "strided_and_overlapping",  # compared, then copied back
+        "int_buffer",
+    ],
+)
+def test_writes_no_version_counter_sees_are_undone(edit):
+    torch.manual_seed(0)
+    model = Tied()
+    model.lin.bias.grad = torch.full_like(model.lin.bias, 3.0)
+    grad = model.lin.bias.grad
+    before = _values(model)
+    grad_before = grad.clone()
+
+    def step(m, x):
+        y = m(x)
+        w = m.lin.weight
+        if edit == "data_mul":
+            w.data.mul_(2)
+        elif edit == "numpy":
+            w.detach().numpy()[...] = 0.0
+        elif edit == "no_grad_inplace":
+            with torch.no_grad():
+                w.add_(1.0)
+        elif edit == "data_replaced":
+            w.data = torch.zeros_like(w)
+        elif edit == "dtype_view":
+            m.norm.running_var.data = m.norm.running_var.data.view(torch.int32)
+        elif edit == "resized":
+            w.data.resize_(2, 2)
+        elif edit == "grad_data":
+            grad.data.fill_(-1.0)
+        elif edit == "strided_and_overlapping":
+            m.wt.data.mul_(3)
+            m.scale.data.fill_(5.0)
+        elif edit == "int_buffer":
+            m.steps.data.add_(7)
+        return {"a": y[:2].sum(), "b": y[2:].pow(2).sum()}
+
+    gradprobe.probe(model, step, torch.randn(8, 3))
+    after = _values(model)
+    # Bumped by the step itself (BatchNorm's num_batches_tracked.add_(1) in train mode, the in-place
+    # add under no_grad); the running statistics, updated in-kernel, keep theirs.
+    bumped = {"norm.num_batches_tracked"} | ({"lin.weight"} if edit == "no_grad_inplace" else set())
+    for n, (value, ptr, dtype, shape, stride, version) in before.items():
+        v2, ptr2, dtype2, shape2, stride2, version2 = after[n]
+        assert (dtype2, shape2, stride2) == (dtype, shape, stride), n
+        assert ptr2 == ptr, f"{n}: not back on its own storage"
+        assert torch.equal(v2, value), f"{n} changed"
+        if n not in bumped:
+            assert version2 == version, f"{n}: version counter moved ({version} -> {version2})"
+    assert model.lin.bias.grad is grad and torch.equal(grad, grad_before)
+    assert model.lin.weight.grad is None
+
+
+def test_an_autograd_graph_saved_before_the_probe_is_still_usable():
+    """Parameters the step leaves alone keep their version counters: a graph built before the probe,
+    which saved them for backward, can be backpropagated after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    loss = model(x).pow(2).sum()  # saves the weights for backward
+    expected = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    gradprobe.probe(model, lambda m, b: {"y": m(b).sum()}, x)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_a_sparse_grad_the_user_holds_is_restored():
+    emb = nn.Embedding(5, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    grad = emb.weight.grad
+    dense = grad.to_dense().clone()
+
+    def step(m, idx):
+        m.weight.grad.data = torch.zeros(5, 3).to_sparse()
+        return {"y": m(idx).pow(2).sum()}
+
+    fm = gradprobe.probe(emb, step, torch.tensor([0, 4]))
+    assert fm.count("eager", "y only") == (1, 1)
+    assert emb.weight.grad is grad and grad.is_sparse and torch.equal(grad.to_dense(), dense)

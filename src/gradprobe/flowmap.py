@@ -150,7 +150,7 @@ class FlowMap:
     def scenario_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.scenarios)
 
-    @property
+    @cached_property
     def trainable(self) -> tuple[str, ...]:
         """Names of the parameters that can receive a gradient (``requires_grad=True``)."""
         return tuple(p.name for p in self.parameters if p.requires_grad)
@@ -780,9 +780,14 @@ def _parse(text: str) -> Any:
 
 def parameter_infos(named: Iterable[tuple[str, Any]]) -> tuple[ParameterInfo, ...]:
     """ParameterInfo for each (name, parameter) pair."""
+    names: dict[Any, str] = {}  # dtype and device names, spelled once each (thousands of parameters)
+
+    def name_of(x: Any) -> str:
+        if x not in names:
+            names[x] = str(x).removeprefix("torch.")
+        return names[x]
+
     return tuple(
-        ParameterInfo(
-            n, tuple(p.shape), p.numel(), p.requires_grad, str(p.dtype).removeprefix("torch."), str(p.device)
-        )
+        ParameterInfo(n, tuple(p.shape), p.numel(), p.requires_grad, name_of(p.dtype), name_of(p.device))
         for n, p in named
     )

@@ -130,7 +130,11 @@ def per_term(
     multi = [s for s in scenarios if len(s.terms) > 1]
     acc: dict[str, Grads | None] = {s.name: None for s in multi}
     acc_error: dict[str, RunError | None] = {s.name: None for s in multi}
+    # Per multi-term scenario and parameter: the one term whose gradient the sum holds unchanged
+    # (None: no term yet; _SUMMED: more than one). Its status and norm are that term's own.
+    alone: dict[str, list[str | None]] = {s.name: [None] * len(params) for s in multi}
     results: dict[str, Measurement] = {}
+    by_term: dict[str, Measurement] = {}
     for k, t in enumerate(needed):
         t0 = time.perf_counter()
         grads: Grads | None = None
@@ -146,7 +150,7 @@ def per_term(
                 error = run_error("backward", e)
         for s in scenarios:
             if s.terms == (t,):
-                results[s.name] = _reduced(s.name, grads, error, values, t0, keep)
+                results[s.name] = by_term[t] = _reduced(s.name, grads, error, values, t0, keep)
         # Unless kept, this term's gradients are gradprobe's own: the first sum they enter may
         # accumulate into them in place instead of copying them.
         owned = grads is not None and not keep
@@ -158,6 +162,10 @@ def per_term(
             elif grads is not None:
                 acc[s.name] = _add(acc[s.name], grads, owned)
                 owned = False
+                who = alone[s.name]
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        who[i] = t if who[i] is None else _SUMMED
         del grads
     for s in multi:
         t0 = time.perf_counter()
@@ -165,7 +173,13 @@ def per_term(
         if error is None and acc[s.name] is None:
             error = no_grad_path(f"no term of scenario {s.name!r}")
         results[s.name] = _reduced(
-            s.name, acc.pop(s.name) if error is None else None, error, values, t0, keep
+            s.name,
+            acc.pop(s.name) if error is None else None,
+            error,
+            values,
+            t0,
+            keep,
+            _known(alone[s.name], by_term),
         )
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
@@ -196,6 +210,22 @@ def _add(acc: Grads | None, grads: Grads, owned: bool = False) -> Grads:
     return acc
 
 
+_SUMMED = "\0summed"  # not a term name: a term name is a str the step returned, never this one
+
+
+def _known(
+    alone: list[str | None], by_term: Mapping[str, Measurement]
+) -> dict[int, tuple[str, float | None]]:
+    """Statuses and norms a sum shares with one term: where only that term reached the parameter, the
+    sum's gradient is that term's gradient (the same values), already reduced on its own."""
+    known: dict[int, tuple[str, float | None]] = {}
+    for i, t in enumerate(alone):
+        m = by_term.get(t) if t is not None and t != _SUMMED else None
+        if m is not None and m.statuses is not None and m.norms is not None:
+            known[i] = (m.statuses[i], m.norms[i])
+    return known
+
+
 def _reduced(
     name: str,
     grads: Grads | None,
@@ -203,10 +233,17 @@ def _reduced(
     values: dict[str, float | None],
     t0: float,
     keep: bool,
+    known: Mapping[int, tuple[str, float | None]] | None = None,
 ) -> Measurement:
     m = Measurement(name, term_values=dict(values), error=error)
     if grads is not None and error is None:
-        m.statuses, m.norms = reduce_grads(grads)
+        if known:
+            statuses, norms = reduce_grads([None if i in known else g for i, g in enumerate(grads)])
+            for i, (st, nm) in known.items():
+                statuses[i], norms[i] = st, nm
+            m.statuses, m.norms = statuses, norms
+        else:
+            m.statuses, m.norms = reduce_grads(grads)
         if keep:
             m.grads = grads
         finite = [v for v in values.values() if v is not None]

@@ -4,8 +4,14 @@ dtype, deterministic algorithms, anomaly mode, float32 matmul precision, ``torch
 dynamo / inductor / functorch / compiler config values) are saved before a probe and restored after it,
 even on error and on ``KeyboardInterrupt`` (which is re-raised, never recorded).
 
-Cost: one copy of the parameters and buffers (on their own device) for the duration of the probe, and
-a copy of the already imported compiler config modules (about a millisecond).
+Cost: one copy of the parameters, ``.grad`` and buffers (on their own device) for the duration of the
+probe, written back once at the end (one read of the copy and one write, no comparison and no host
+sync: cheaper than checking what changed, and it also undoes what no version counter records), and a
+copy of the already imported compiler config modules (about a millisecond). The write-back goes through
+aliases with version counters of their own, so a tensor the step left alone keeps its ``_version``.
+Tensor subclasses and overlapping or conjugate views are compared first and written only if changed.
+(Writing also dirties the pages of a model memory-mapped from a file, ``torch.load(mmap=True)``: they
+become private memory, as any write would make them.)
 """
 
 from __future__ import annotations
@@ -19,93 +25,143 @@ from typing import Any
 
 import torch
 
-
-@dataclass
-class _TensorSlot:
-    """A tensor object and a copy of its values, to put the values back if anything changed them."""
-
-    tensor: torch.Tensor
-    copy: torch.Tensor
-    data_ptr: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _TensorSlot:
-        return cls(t, t.detach().clone(), t.data_ptr())
-
-    def replaced(self) -> bool:
-        """The storage was swapped (``p.data = ...``) or reshaped: values cannot be compared in place."""
-        return self.tensor.data_ptr() != self.data_ptr or self.tensor.shape != self.copy.shape
-
-    def restore(self, changed: bool) -> torch.Tensor:
-        t = self.tensor
-        if self.replaced():
-            t.data = self.copy
-        elif changed:
-            t.detach().copy_(self.copy)
-        return t
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _changed(slots: list[_TensorSlot]) -> list[bool]:
-    """Which slots' values differ from their copies, found with batched reductions and one host sync
-    per device. Version counters alone miss in-kernel updates (BatchNorm's running statistics)."""
-    changed = [s.replaced() for s in slots]
+def _replaced(t: torch.Tensor, alias: torch.Tensor) -> bool:
+    """The tensor no longer has its original storage, offset, sizes, strides or dtype (``p.data = ...``,
+    ``resize_``, ``set_``, ``as_strided_``, a dtype view)."""
+    if alias.is_cpu or alias.is_cuda:  # one call; is_set_to has no kernel on some devices (meta)
+        return not t.is_set_to(alias) or t.dtype != alias.dtype
+    return (
+        t.data_ptr() != alias.data_ptr()
+        or t.dtype != alias.dtype
+        or t.shape != alias.shape
+        or t.stride() != alias.stride()
+    )
+
+
+def _writable(t: torch.Tensor, alias: torch.Tensor) -> bool:
+    """A plain dense tensor whose every element has its own memory: its copy can be written back
+    through the alias exactly, whatever happened to it (one read and one write, no sync)."""
+    return (
+        type(t) in _PLAIN
+        and type(alias) is torch.Tensor
+        and not alias.is_conj()
+        and not alias.is_neg()
+        and (alias.is_contiguous() or alias.is_contiguous(memory_format=torch.channels_last))
+    )
+
+
+def _changed(current: list[torch.Tensor], copies: list[torch.Tensor]) -> list[bool]:
+    """Which tensors' values differ from their copies, found with batched reductions and one host
+    sync per device (only for tensors whose values are not simply written back: tensor subclasses,
+    overlapping or conjugate views)."""
+    changed = [False] * len(current)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, s in enumerate(slots):
-        if not changed[i] and s.copy.numel():
-            groups.setdefault((s.copy.device, s.copy.dtype), []).append(i)
+    for i, k in enumerate(copies):
+        if k.numel():
+            groups.setdefault((k.device, k.dtype), []).append(i)
     for idx in groups.values():
-        current = [slots[i].tensor.detach() for i in idx]
-        copies = [slots[i].copy for i in idx]
-        if current[0].is_floating_point() or current[0].is_complex():
-            # One read of both, no temporary copy (a _foreach_sub + inf-norm writes a full copy and
-            # reads it again, with a slow inf-norm kernel on CPU). NaN != NaN: such a slot reads as
-            # changed and is copied back, which is harmless.
-            flags = torch.stack([(c != k).any() for c, k in zip(current, copies, strict=True)]).cpu().tolist()
+        cs = [current[i] for i in idx]
+        ks = [copies[i] for i in idx]
+        if cs[0].is_floating_point() or cs[0].is_complex():
+            # NaN != NaN: such a tensor reads as changed and is copied back, which is harmless.
+            flags = torch.stack([(c != k).any() for c, k in zip(cs, ks, strict=True)]).cpu().tolist()
         else:
-            flags = [not torch.equal(c, k) for c, k in zip(current, copies, strict=True)]
+            flags = [not torch.equal(c, k) for c, k in zip(cs, ks, strict=True)]
         for i, flag in zip(idx, flags, strict=True):
             changed[i] = bool(flag)
     return changed
 
 
+def _copy_into(alias: torch.Tensor, copy: torch.Tensor) -> None:
+    """``alias.copy_(copy)``, also for an expanded tensor (stride 0: elements that share memory are
+    written once, through index 0 of those dimensions)."""
+    shared = [
+        d for d, (n, st) in enumerate(zip(alias.shape, alias.stride(), strict=True)) if st == 0 and n > 1
+    ]
+    if shared:
+        index = tuple(slice(0, 1) if d in shared else slice(None) for d in range(alias.dim()))
+        alias, copy = alias[index], copy[index]
+    alias.copy_(copy)
+
+
+class _Saved:
+    """Tensors saved together (parameters, their ``.grad``, buffers): each object, an alias of its
+    storage and geometry (``t.data``: the same memory, sizes, strides and dtype, with a version counter
+    of its own) and a copy of its values."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.aliases = [t.data for t in tensors]
+        self.copies = [t.detach().clone() for t in tensors]
+
+    def restore(self) -> None:
+        """Each tensor back on its own storage, offset, sizes, strides and dtype, with its saved values.
+
+        Values are written back whether or not they changed: a change no version counter sees
+        (``p.data.mul_(2)``, an in-kernel update of BatchNorm's running statistics, a write through
+        NumPy) is undone like any other, and one write costs less than comparing first. The writes go
+        through the aliases, whose version counters are their own: a tensor the step left alone keeps
+        its ``_version``, so autograd graphs that saved it before the probe stay usable.
+        """
+        write: list[int] = []
+        compare: list[int] = []
+        for i, (t, alias) in enumerate(zip(self.tensors, self.aliases, strict=True)):
+            if alias.layout != torch.strided:  # sparse and other layouts: no storage to write into
+                t.data = self.copies[i]
+                continue
+            if _replaced(t, alias):
+                t.data = alias
+            (write if _writable(t, alias) else compare).append(i)
+        if write:
+            torch._foreach_copy_([self.aliases[i] for i in write], [self.copies[i] for i in write])
+        if compare:
+            current = [self.aliases[i] for i in compare]
+            for i, changed in zip(compare, _changed(current, [self.copies[i] for i in compare]), strict=True):
+                if changed:
+                    _copy_into(self.aliases[i], self.copies[i])
+
+
 @dataclass
 class _ModelState:
-    params: list[tuple[torch.nn.Parameter, _TensorSlot, bool, _TensorSlot | None]]
-    buffers: list[tuple[torch.nn.Module, str, _TensorSlot | None]]
+    params: list[torch.nn.Parameter]
+    requires_grad: list[bool]
+    grads: list[torch.Tensor | None]
+    buffers: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]]
     modes: list[tuple[torch.nn.Module, bool]]
+    saved: _Saved
 
 
 def _snapshot_model(model: torch.nn.Module) -> _ModelState:
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    modules = list(model.modules())
+    buffers = [(m._buffers, name, b) for m in modules for name, b in m._buffers.items()]
+    tensors: list[torch.Tensor] = [*params, *(g for g in grads if g is not None)]
+    tensors += [b for _, _, b in buffers if b is not None]
     with torch.no_grad():
-        params = [
-            (p, _TensorSlot.of(p), p.requires_grad, None if p.grad is None else _TensorSlot.of(p.grad))
-            for p in model.parameters()
-        ]
-        buffers = [
-            (module, name, None if b is None else _TensorSlot.of(b))
-            for module in model.modules()
-            for name, b in module._buffers.items()
-        ]
-    modes = [(m, m.training) for m in model.modules()]
-    return _ModelState(params, buffers, modes)
+        saved = _Saved(tensors)
+    return _ModelState(
+        params, [p.requires_grad for p in params], grads, buffers, [(m, m.training) for m in modules], saved
+    )
 
 
 def _restore_model(state: _ModelState) -> None:
     with torch.no_grad():
-        slots = [v for _, v, _, _ in state.params]
-        slots += [g for _, _, _, g in state.params if g is not None]
-        slots += [b for _, _, b in state.buffers if b is not None]
-        changed = dict(zip(map(id, slots), _changed(slots), strict=True))
-        for p, value, requires_grad, grad in state.params:
-            value.restore(changed[id(value)])
+        state.saved.restore()
+        for p, requires_grad, grad in zip(state.params, state.requires_grad, state.grads, strict=True):
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
             # The very .grad object the user had (optimizers and hooks may hold it), values as they were.
-            p.grad = None if grad is None else grad.restore(changed[id(grad)])
-        for module, name, slot in state.buffers:
-            module._buffers[name] = None if slot is None else slot.restore(changed[id(slot)])
+            if p.grad is not grad:
+                p.grad = grad
+        for module_buffers, name, b in state.buffers:
+            module_buffers[name] = b
     for module, training in state.modes:
-        module.training = training
+        if module.training != training:
+            module.training = training
 
 
 @dataclass

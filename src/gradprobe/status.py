@@ -34,7 +34,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[float | None]]:
     """Status and L1 norm of each gradient (``None`` norm where there is no gradient).
 
-    One pass of ``torch._foreach_norm(ord=1)`` per (device, dtype) group, and one copy to the host per
+    One pass of ``torch._foreach_norm(ord=1)`` per (device, dtype, layout) group, one copy to the host per
     device: the number of host syncs does not grow with the number of parameters. The status is read
     from the L1 norm itself: a sum of absolute values is exactly zero only when every value is zero
     (no underflow: it is never below its largest term), and NaN when any value is NaN. Only an
@@ -43,14 +43,20 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
     """
     statuses: list[str] = [NONE] * len(grads)
     norms: list[float | None] = [None] * len(grads)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, g in enumerate(grads):
-        if g is not None:
-            groups.setdefault((g.device, g.dtype), []).append(i)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    keys = [(g.device, g.dtype, g.layout) for g in grads if g is not None]
+    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[int]] = {}
+    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype, dense
+        groups[keys[0]] = present
+    else:
+        for i, key in zip(present, keys, strict=True):
+            groups.setdefault(key, []).append(i)
     per_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    for (device, dtype), idx in groups.items():
-        tensors = [_dense(grads[i]) for i in idx]  # type: ignore[arg-type]
-        l1 = torch.stack(torch._foreach_norm(tensors, 1, dtype=_accumulation_dtype(dtype)))
+    for (device, dtype, layout), idx in groups.items():
+        tensors = [grads[i] for i in idx]
+        if layout != torch.strided or dtype.is_complex:
+            tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
+        l1 = torch.stack(torch._foreach_norm(tensors, 1, dtype=_accumulation_dtype(dtype)))  # type: ignore[arg-type]
         per_device.setdefault(device, []).append((idx, l1))
     overflow: list[int] = []
     for parts in per_device.values():
@@ -60,12 +66,12 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
         host = torch.cat([p.to(wide) for _, p in parts]).cpu().tolist()
         offset = 0
         for idx, _ in parts:
-            for k, i in enumerate(idx, start=offset):
-                norms[i] = host[k]
-                if math.isinf(host[k]):
+            for i, v in zip(idx, host[offset : offset + len(idx)], strict=True):
+                norms[i] = v
+                if math.isinf(v):
                     overflow.append(i)
                 else:
-                    statuses[i] = status_of(host[k])
+                    statuses[i] = status_of(v)
             offset += len(idx)
     again: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in overflow:
