@@ -132,11 +132,31 @@ def test_eval_mode_is_caught_not_measured(adapter: DeepmdAdapter, monkeypatch: p
 
 
 def test_the_trainer_is_left_as_found(adapter: DeepmdAdapter) -> None:
+    import deepmd.pt_expt.train.training as dp_training
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    patched = (
+        dp_training._finalize_compiled_lower,
+        dp_training._strip_saved_tensor_detach,
+        proxy_tensor.make_fx,
+    )
     before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
-    adapter.probe(backend="eager")
+    adapter.model.eval()
+    try:
+        fm = adapter.probe(backend="eager", detach="keep")  # a real trace and compile, with both patches
+        assert not adapter.model.training  # the probe ran it in train mode and put it back
+    finally:
+        adapter.model.train()
+    assert fm.variant("deepmd:compiled[detach=keep,backend=eager]").compile_count == 1
     after = adapter.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in adapter.model.parameters())
+    # DeePMD's and torch's functions are their own again.
+    assert (
+        dp_training._finalize_compiled_lower,
+        dp_training._strip_saved_tensor_detach,
+        proxy_tensor.make_fx,
+    ) == patched
     # The user's trainer keeps its own (uncompiled) wrapper: gradprobe compiled fresh ones.
     assert adapter.trainer.wrapper.model["Default"] is adapter.model
 
