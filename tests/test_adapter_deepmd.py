@@ -61,7 +61,9 @@ def test_isolation_goes_through_deepmds_switches(adapter: DeepmdAdapter) -> None
 
 
 def test_uncompiled_flow(adapter: DeepmdAdapter) -> None:
-    fm = adapter.probe(configurations=["uncompiled"])
+    fm = adapter.probe(configurations=["uncompiled"], checks=["training"])
+    # A few optimizer steps per term, on a copy of DeePMD's model, through DeePMD's own loss.
+    assert fm.checks["training"]["passed"], fm.checks["training"]
     assert [v.name for v in fm.variants] == ["deepmd:uncompiled"]
     n = len(fm.trainable)
     assert n == 22
