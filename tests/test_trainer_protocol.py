@@ -104,9 +104,13 @@ def test_counter_of_a_built_variant_proves_compiled_runs() -> None:
     assert isinstance(CompileCounter("eager").executions, int)  # the built-in counter has the same shape
 
 
-def test_not_an_adapter() -> None:
+def test_not_an_adapter(example) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SpecError, match="lacks"):
         trainer_variants(object())  # type: ignore[arg-type]
+    adapter = example.TinyTrainerAdapter(example.TinyTrainer())
+    adapter.configurations = {"plain": {"fast": (False, (False, True))}}
+    with pytest.raises(SpecError, match="takes none"):
+        trainer_variants(adapter)
 
 
 def test_gradprobe_run_takes_an_adapter(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -75,6 +75,12 @@ def _check(adapter: Any) -> None:
         )
     if not adapter.configurations:
         raise SpecError(f"trainer adapter {adapter.name!r} declares no configurations")
+    reference, table = next(iter(adapter.configurations.items()))
+    if table:
+        raise SpecError(
+            f"{adapter.name}'s reference configuration {reference!r} declares knobs, but it runs through "
+            "loss() and takes none: declare them on another configuration"
+        )
 
 
 def variant_name(adapter: Any, configuration: str) -> str:
