@@ -47,10 +47,12 @@ def _weights(adapter: DeepmdAdapter, on: tuple[str, ...]) -> dict[str, torch.Ten
 
 
 def test_isolation_goes_through_deepmds_switches(adapter: DeepmdAdapter) -> None:
-    inputs, labels = adapter.batch()
+    batch = adapter.batch()
+    labels = batch["labels"]
+    assert batch["coord"].shape == (1, 6, 3) and batch["box"].shape == (1, 3, 3)
     assert "virial" in labels and float(labels["find_virial"]) == 0.0  # the data has no virial
     w = _weights(adapter, ("force",))
-    switched = adapter.labels(labels, w, inputs)
+    switched = adapter.labels(labels, w, adapter.inputs(batch))
     assert switched["find_force"] is w["force"] and float(switched["find_energy"]) == 0.0
     assert labels["find_energy"] is not switched["find_energy"]  # the batch itself is not modified
     # Each term alone changes the loss; all off gives exactly zero.
@@ -61,9 +63,13 @@ def test_isolation_goes_through_deepmds_switches(adapter: DeepmdAdapter) -> None
 
 
 def test_uncompiled_flow(adapter: DeepmdAdapter) -> None:
-    fm = adapter.probe(configurations=["uncompiled"], checks=["training"])
+    fm = adapter.probe(configurations=["uncompiled"], checks=["training", "physics"])
     # A few optimizer steps per term, on a copy of DeePMD's model, through DeePMD's own loss.
     assert fm.checks["training"]["passed"], fm.checks["training"]
+    # DeePMD's forces and virial against finite differences of its energy (float64).
+    physics = fm.checks["physics"]
+    assert physics["passed"] and physics["force"]["max_rel_error"] < 1e-7, physics
+    assert physics["sum_rule"]["relative"] < 1e-12 and physics["virial"]["max_rel_error"] < 1e-7, physics
     assert [v.name for v in fm.variants] == ["deepmd:uncompiled"]
     n = len(fm.trainable)
     assert n == 22

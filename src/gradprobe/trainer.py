@@ -29,7 +29,8 @@ per-term weights or label switches (DeePMD's ``find_energy``...). ``loss`` must 
 module (the training check runs on copies); ``build`` may return a ``gradprobe.build.Built`` to add a
 compile counter (proof that compiled code ran in each measurement) and the traced graph (for the
 graph lint). Optional: ``second_batch()`` (catches graphs that froze trace-time values),
-``notes`` (``{parameter prefix: why it may get no gradient}``).
+``notes`` (``{parameter prefix: why it may get no gradient}``), ``spec_fields()`` (more
+``ProbeSpec`` fields, e.g. ``energy_fn``/``predict`` for the physics check).
 
 ``probe_trainer(adapter)`` measures every configuration in every scenario and compares gradient values
 with the reference configuration; the knobs a configuration declares are what the bisector flips.
@@ -166,6 +167,9 @@ def trainer_spec(adapter: TrainerAdapter, **spec_fields: Any) -> ProbeSpec:
     }
     if second is not None and "second_batch" not in spec_fields:
         fields["second_batch"] = second()
+    extra = getattr(adapter, "spec_fields", None)
+    if extra is not None:
+        fields.update(extra())
     fields.update(spec_fields)
     return ProbeSpec(**fields)
 

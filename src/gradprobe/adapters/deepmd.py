@@ -321,14 +321,56 @@ class DeepmdAdapter:
             self._batches.append(self._draw())
         return self._batches[1]
 
-    def _draw(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _draw(self) -> dict[str, Any]:
         state = torch.random.get_rng_state(), np.random.get_state()
         try:
             inputs, labels = self.trainer.get_data(is_train=True)
         finally:
             torch.random.set_rng_state(state[0])
             np.random.set_state(state[1])
-        return inputs, labels
+        return self.as_batch(inputs, labels)
+
+    @staticmethod
+    def as_batch(inputs: Mapping[str, Any], labels: Mapping[str, Any]) -> dict[str, Any]:
+        """DeePMD's ``(inputs, labels)`` as one dict: coordinates ``(frames, atoms, 3)`` and cells
+        ``(frames, 3, 3)`` under ``coord`` / ``box`` (where gradprobe's physics check reads them), DeePMD's
+        other inputs as they are, the labels under ``labels``."""
+        batch = dict(inputs)
+        nframes = inputs["atype"].shape[0]
+        batch["coord"] = inputs["coord"].detach().reshape(nframes, -1, 3)
+        if inputs.get("box") is not None:
+            batch["box"] = inputs["box"].reshape(nframes, 3, 3)
+        batch["labels"] = dict(labels)
+        return batch
+
+    @staticmethod
+    def inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The model's inputs in DeePMD's layout; coordinates a fresh leaf that requires grad (forces)."""
+        out = {k: v for k, v in batch.items() if k != "labels"}
+        nframes = out["atype"].shape[0]
+        out["coord"] = out["coord"].reshape(nframes, -1).detach().requires_grad_(True)
+        if out.get("box") is not None:
+            out["box"] = out["box"].reshape(nframes, 9)
+        return out
+
+    def spec_fields(self) -> dict[str, Any]:
+        """What the physics check needs: the energy per frame, and the model's own forces and virial."""
+
+        def energy_fn(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+            with torch.enable_grad():  # DeePMD's forward takes autograd.grad for its forces
+                return model(**self.inputs(batch))["energy"].reshape(-1).detach()
+
+        def predict(model: torch.nn.Module, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            nframes = batch["atype"].shape[0]
+            out = model(**self.inputs(batch))
+            return {
+                "force": out["force"].reshape(nframes, -1, 3),
+                "virial": out["virial"].reshape(nframes, 3, 3),
+            }
+
+        periodic = self.batch().get("box") is not None
+        return {"energy_fn": energy_fn, "predict": predict, "coord_key": "coord",
+                "box_key": "box" if periodic else None}  # fmt: skip
 
     def labels(self, labels: Mapping[str, Any], weights: Mapping[str, torch.Tensor], inputs: Any) -> dict:
         """DeePMD's labels with each term's ``find_*`` switch set to its weight; synthetic zero labels
@@ -351,9 +393,11 @@ class DeepmdAdapter:
     def _call(
         self, wrapper: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        inputs, labels = batch
+        inputs = self.inputs(batch)
         with _train_mode(wrapper):
-            _, loss, _more = wrapper(**inputs, cur_lr=self.cur_lr, label=self.labels(labels, weights, inputs))
+            _, loss, _more = wrapper(
+                **inputs, cur_lr=self.cur_lr, label=self.labels(batch["labels"], weights, inputs)
+            )
         return loss
 
     def loss(self, model: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
