@@ -28,6 +28,9 @@ What it does, and why:
   rebuild DeePMD's last step, strip + rebuild + ``torch.compile``, with another backend).
 - **Graph lint**: the traced ``forward_lower`` graph as it is compiled (after stripping) is kept, so
   ``makefx-detach`` can name the detach nodes left on parameter-dependent tensors.
+- **Checks**: batches are dicts (``coord`` as ``(frames, atoms, 3)``, ``box`` as ``(frames, 3, 3)``, the
+  labels under ``labels``) and ``spec_fields()`` gives the physics check DeePMD's energy, forces and
+  virial; ``checks=["physics", "training", "balance"]`` work as for any spec.
 
 Install: ``pip install 'gradprobe[deepmd]'``. DeePMD's prebuilt op library targets one torch release;
 on another, build it from source against the installed torch (see the README).
