@@ -54,9 +54,9 @@ def _parameter_attrs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 def lint(gm: torch.fx.GraphModule, n_params: int = 0) -> dict[str, Any]:
     """Detach nodes that cut a parameter's gradient path: ``make_fx`` records ``detach`` on tensors
     saved for backward, which cuts second-order gradients (PyTorch #175477). The first ``n_params``
-    placeholders are the parameters, and so is any ``get_attr`` tensor that requires grad; a detach whose input does not depend on them (coordinates,
-    indices) is harmless and not counted. Reports the first one's node, the producing op of the saved
-    tensor and its source line, and the node count."""
+    placeholders are the parameters, and so is any ``get_attr`` tensor that requires grad; a detach
+    whose input does not depend on them (coordinates, indices) is harmless and not counted. Reports
+    the first one's node, the producing op of the saved tensor and its source line, and the node count."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     depends: set[torch.fx.Node] = set(placeholders[:n_params]) | set(_parameter_attrs(gm))
     for n in gm.graph.nodes:
