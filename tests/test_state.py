@@ -4,29 +4,10 @@ import random
 
 import pytest
 import torch
+from messy_model import Messy
 from torch import nn
 
 import gradprobe
-
-
-class Messy(nn.Module):
-    """BatchNorm (running stats change in train mode), dropout (draws RNG), a frozen layer,
-    a submodule in eval mode while the rest trains."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(3, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.drop = nn.Dropout(0.5)
-        self.frozen = nn.Linear(8, 8)
-        self.frozen.requires_grad_(False)
-        self.head_a = nn.Linear(8, 1)
-        self.head_b = nn.Linear(8, 1)
-        self.head_b.eval()
-
-    def forward(self, x):
-        h = self.frozen(self.drop(self.norm(torch.tanh(self.inp(x)))))
-        return self.head_a(h), self.head_b(h)
 
 
 def step(model, batch):

@@ -21,6 +21,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 import torch.nn.modules.module as module_globals
+from messy_model import Messy
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -33,26 +34,6 @@ GLOBAL_HOOKS = [  # _global_forward_hooks, _global_backward_hooks, ... (the dict
     for name in dir(module_globals)
     if name.startswith("_global_") and isinstance(getattr(module_globals, name), dict)
 ]
-
-
-class Messy(nn.Module):
-    """BatchNorm (running statistics change in train mode), dropout (draws from the RNG), a frozen
-    layer, a submodule in eval mode while the rest trains, and hooks the user registered."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(3, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.drop = nn.Dropout(0.5)
-        self.frozen = nn.Linear(8, 8)
-        self.frozen.requires_grad_(False)
-        self.head_a = nn.Linear(8, 1)
-        self.head_b = nn.Linear(8, 1)
-        self.head_b.eval()
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.frozen(self.drop(self.norm(torch.tanh(self.inp(x)))))
-        return self.head_a(h), self.head_b(h)
 
 
 def _user_hook(*args: Any) -> None:
