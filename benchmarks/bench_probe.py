@@ -146,16 +146,26 @@ def eager_timings(case: Case, reps: int) -> dict[str, Any]:
     fm = gradprobe.probe(spec)
     reached = naive_eager(case.model, case.step, case.batch, case.terms, case.scenarios)
     case.model.zero_grad(set_to_none=True)
-    tensors, scalars = size_of(case.model)
     return {
-        "model": case.name,
-        "tensors": tensors,
-        "scalars": scalars,
+        **_timed(case, reps, times),
+        "agree": same_reach(reached, fm, "eager"),
+    }
+
+
+def _described(case: Case) -> dict[str, Any]:
+    """The fields every result row starts with: the model and its size."""
+    tensors, scalars = size_of(case.model)
+    return {"model": case.name, "tensors": tensors, "scalars": scalars}
+
+
+def _timed(case: Case, reps: int, times: dict[str, list[float]]) -> dict[str, Any]:
+    """A timed row's common fields: the model, the rounds, the best and every time per contender."""
+    return {
+        **_described(case),
         "scenarios": len(case.scenarios),
         "reps": reps,
         "best": best(times),
         "all": times,
-        "agree": same_reach(reached, fm, "eager"),
     }
 
 
@@ -197,15 +207,8 @@ def compiled_timings(case: Case, reps: int) -> dict[str, Any]:
     fresh()
     fm = out["fm"]
     info = fm.variant(COMPILED)
-    tensors, scalars = size_of(case.model)
     return {
-        "model": case.name,
-        "tensors": tensors,
-        "scalars": scalars,
-        "scenarios": len(case.scenarios),
-        "reps": reps,
-        "best": best(times),
-        "all": times,
+        **_timed(case, reps, times),
         "probe_compile_count": info.compile_count,
         "probe_graphs": info.graphs,
         "probe_errors": [r.error.message for r in fm.runs if r.error is not None],
@@ -233,11 +236,8 @@ def sync_counts(case: Case) -> dict[str, Any]:
         naive_eager(case.model, case.step, case.batch, case.terms, case.scenarios)
     case.model.zero_grad(set_to_none=True)
     k = len(case.scenarios)
-    tensors, scalars = size_of(case.model)
     return {
-        "model": case.name,
-        "tensors": tensors,
-        "scalars": scalars,
+        **_described(case),
         "probe_per_scenario": probe_syncs.total / k,
         "naive_per_scenario": naive_syncs.total / k,
         "probe_counts": dict(probe_syncs.counts),
@@ -247,11 +247,8 @@ def sync_counts(case: Case) -> dict[str, Any]:
 
 
 def map_size(case: Case) -> dict[str, Any]:
-    tensors, scalars = size_of(case.model)
     return {
-        "model": case.name,
-        "tensors": tensors,
-        "scalars": scalars,
+        **_described(case),
         "map_chars": len(gradprobe.probe(case.spec).to_json()),
     }
 
