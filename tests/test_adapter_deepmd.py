@@ -9,8 +9,6 @@ the graph the first test compiled. The rest need no compile, or a cheap one.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ pytest.importorskip("deepmd.pt_expt.train.training", reason="deepmd-kit (pt_expt
 
 import gradprobe.adapters.deepmd as gp_deepmd
 from gradprobe.adapters.deepmd import DeepmdAdapter, se_e2_a_config, write_synthetic_system
+from gradprobe.build import module_mode
 from gradprobe.errors import SpecError
 from gradprobe.report.terminal import render
 
@@ -123,16 +122,7 @@ def test_detach_kept_is_named_makefx_detach(adapter: DeepmdAdapter, compiled_map
 def test_eval_mode_is_caught_not_measured(adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeePMD 3.2's compiled model runs its eager original in eval mode: were the adapter to run it so,
     the measurement would compare eager with eager. The compile counter turns that into a failure."""
-
-    @contextlib.contextmanager
-    def eval_mode(module: torch.nn.Module):  # type: ignore[no-untyped-def]
-        saved = [(m, m.training) for m in module.modules()]
-        module.eval()
-        yield
-        for m, training in saved:
-            m.training = training
-
-    monkeypatch.setattr(gp_deepmd, "_train_mode", eval_mode)
+    monkeypatch.setattr(gp_deepmd, "_train_mode", lambda module: module_mode(module, "eval"))
     fm = adapter.probe(backend="eager")
     for s in SCENARIOS:
         run = fm.run("deepmd:compiled[backend=eager]", s)

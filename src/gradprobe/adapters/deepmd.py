@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..build import Built
+from ..build import Built, module_mode
 from ..errors import SpecError
 from ..flowmap import FlowMap
 from ..variants import KnobTable
@@ -184,15 +184,9 @@ def _dynamo_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
-@contextlib.contextmanager
-def _train_mode(module: torch.nn.Module) -> Iterator[None]:
-    saved = [(m, m.training) for m in module.modules()]
-    module.train(True)
-    try:
-        yield
-    finally:
-        for m, training in saved:
-            m.training = training
+def _train_mode(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """DeePMD trains in train mode (forces with create_graph; the compiled graph only then)."""
+    return module_mode(module, "train")
 
 
 @contextlib.contextmanager
