@@ -132,3 +132,36 @@ def test_gradprobe_run_takes_an_adapter(tmp_path, capsys) -> None:  # type: igno
     assert main(["run", str(probe_py), "--variants", "tiny:compiled[backend=eager]"]) == 0
     assert main(["run", str(probe_py), "--variants", "jit"]) == 2
     assert "no configuration 'jit'" in capsys.readouterr().err
+
+
+def test_a_user_knob_named_backend_can_be_the_culprit() -> None:
+    # Regression: the summary took every culprit named "backend" for a rung of the backend ladder
+    # and raised KeyError: 'backend' on a trainer's own knob of that name (the DeePMD adapter has one).
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    batch = torch.randn(8, 3)
+
+    def step(m, b):  # type: ignore[no-untyped-def]
+        y = m(b)
+        return {"fit": y.pow(2).mean(), "reg": m[0].weight.pow(2).sum()}
+
+    def builder(ctx):  # type: ignore[no-untyped-def]
+        cut = ctx.knobs["backend"] == "lossy"
+
+        def run(b, w):  # type: ignore[no-untyped-def]
+            h = ctx.model[1](ctx.model[0](b))
+            y = ctx.model[2](h.detach() if cut else h)
+            terms = {"fit": y.pow(2).mean(), "reg": ctx.model[0].weight.pow(2).sum()}
+            return w["fit"] * terms["fit"] + w["reg"] * terms["reg"], terms
+
+        return run
+
+    knobs = {"backend": ("lossy", ("lossy", "plain"))}
+    variant = user_variant("mine", builder, knobs)
+    import gradprobe
+
+    fm = gradprobe.probe(model, step, batch, variants=["eager", variant], diagnose=True)
+    bis = fm.bisection("mine")
+    assert bis is not None and bis["culprit"] == {"knob": "backend", "change": "backend=lossy → plain"}
+    assert bis["fix"] == {"variant": "mine[backend=plain]", "ok": True}
+    assert "flipping backend=lossy → plain restores the flow" in bis["summary"]
+    assert "backend-drops-grads" not in {f.cause for f in fm.findings}

@@ -181,7 +181,7 @@ def _ladder(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, Varia
         v = with_knobs(failing, backend=backend)
         if not trial("backend", f"backend → {backend}", v):
             b.culprit = {"knob": "backend", "change": f"backend {last_good or '(none)'} → {backend}",
-                         "backend": backend, "last_good": last_good}  # fmt: skip
+                         "backend": backend, "last_good": last_good, "ladder": True}  # fmt: skip
             return
         last_good = backend
         if backend == failing.backend:
@@ -199,7 +199,7 @@ def _summarise(b: Bisection, failing: VariantSpec) -> Bisection:
         else:
             parts.append(f"{capture['variant']} alone already breaks it; the compile backend does not matter")
     if b.culprit is not None:
-        if b.culprit["knob"] == "backend":
+        if b.culprit.get("ladder"):  # a rung of the backend ladder (a user knob may be named backend too)
             last = b.culprit.get("last_good")
             parts.append(
                 f"first backend that breaks it: {b.culprit['backend']}"

@@ -13,7 +13,7 @@ def detect(fm: FlowMap) -> list[Finding]:
     findings = []
     for b in fm.bisections:
         culprit = b.get("culprit") or {}
-        if b.get("stage") != "compile" or culprit.get("knob") != "backend":
+        if b.get("stage") != "compile" or not culprit.get("ladder"):
             continue
         v = b["variant"]
         if any("double backward" in (r.error.message if r.error else "") for r in fm.runs if r.variant == v):
