@@ -89,10 +89,11 @@ def test_run_a_user_spec(spec_file, capsys):
 
 
 def test_run_exit_1_on_error_findings(spec_file, capsys):
+    # The broken step detaches its aux term: a term that reaches nothing in the reference is an error.
     assert main(["run", f"{spec_file}:broken"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("gradprobe: PROBLEM: 1 error(s)")
-    assert "ERROR run-failed" in out and "aux only" in out
+    assert "ERROR dead-term: term aux reaches no parameter" in out and "aux only" in out
 
 
 @pytest.mark.parametrize(
@@ -120,8 +121,14 @@ def test_console_script_and_module_entry_point():
     assert bad.returncode == 2
 
 
-def test_run_diagnose_exit_status(spec_file, capsys):
-    # A healthy spec diagnoses clean (0); a broken one exits 1 with its findings.
-    assert main(["run", str(spec_file), "--diagnose"]) == 0
+def test_run_diagnose_exit_status(spec_file, tmp_path, capsys):
+    # The spec's aux head sees a detached body: the diagnosis names the cut (exit 1) although the
+    # main term still reaches the body; without the detach it diagnoses clean (0).
+    assert main(["run", str(spec_file), "--diagnose"]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR graph-break-in-model: aux:" in out and "h.detach() if DETACH else h" in out
+    healthy = tmp_path / "healthy.py"
+    healthy.write_text("DETACH = False\n" + textwrap.dedent(SPEC_FILE))
+    assert main(["run", str(healthy), "--diagnose"]) == 0
     assert main(["run", f"{spec_file}:broken", "--diagnose"]) == 1
-    assert "ERROR" in capsys.readouterr().out
+    assert "ERROR graph-break-in-model: aux:" in capsys.readouterr().out

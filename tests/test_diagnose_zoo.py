@@ -52,8 +52,11 @@ def test_makefx_detach_names_nodes_lines_and_the_knob():
     fm = diagnosed("makefx-detach")
     assert errors(fm) == ["makefx-detach"]
     f = finding(fm, "makefx-detach")
-    assert f.location["node"].startswith("detach") and f.location["op"] == "tanh.default"
-    assert "self.embed1" in f.location["code"]
+    # Located by the lineage of the replayed graph: the detach node that cuts the lost biases, at the
+    # fitting net's line (the saved tanh outputs), with the node name.
+    assert f.location["node"].startswith("detach") and f.location["kind"] == "detach"
+    assert os.path.basename(f.location["file"]) == "potential.py" and "self.layer1" in f.location["code"]
+    assert f.evidence["graph"]["cutting_detach_nodes"] > 0  # the lint of the handed-over graph sharpens it
     assert set(f.evidence["lost"]) == {"fitting.layer1.bias", "fitting.layer2.bias"}
     assert "#175477" in f.message
     (b,) = fm.bisections
@@ -96,7 +99,8 @@ def test_graph_break_in_model():
     assert errors(fm) == ["graph-break-in-model"]
     f = finding(fm, "graph-break-in-model")
     assert (f.location["module"], f.location["code"]) == ("descriptor", "g = g.detach()")
-    assert f.evidence["parameters"] == ["descriptor.embed1.bias", "descriptor.embed1.weight"]
+    assert set(f.evidence["parameters"]) == {"descriptor.embed1.bias", "descriptor.embed1.weight"}
+    assert f.evidence["terms"] == ["energy", "force", "virial"] and f.location["kind"] == "detach"
     # The auxiliary head stays an info finding: nothing cuts it, it is simply not used.
     assert finding(fm, "unused-parameter").evidence["parameters"] == ["aux_head.weight", "aux_head.bias"]
 
@@ -105,7 +109,12 @@ def test_recompile_per_scenario():
     fm = diagnosed("recompile-per-scenario")
     assert errors(fm) == ["recompile-per-scenario"]
     f = finding(fm, "recompile-per-scenario")
-    assert f.location == {"variant": "compile:aot_eager"}
+    # Named from dynamo's own guard-failure reason, with the user's line.
+    assert (
+        f.location["variant"] == "compile:aot_eager"
+        and os.path.basename(f.location["file"]) == "multitask.py"
+    )
+    assert "bool(weights" in f.location["code"] and f.evidence["guards"]
     assert fm.variant("compile:aot_eager").compile_count == 4
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from gradprobe.graphlint import lint
+from gradprobe.evidence.graphlint import lint
 
 
 def _force_loss(layer: torch.nn.Module):  # type: ignore[no-untyped-def]

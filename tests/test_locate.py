@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.autograd import grad as imported_grad
 
-from gradprobe.locate import Break, frontier, locate_breaks, locate_nonfinite_backward, module_reach
+from gradprobe.evidence.locate import Break, frontier, locate_breaks, locate_nonfinite_backward, module_reach
 from gradprobe.zoo import ReferencePotential, make_batch, potential, terms_step
 
 HERE = os.path.abspath(__file__)
@@ -117,17 +117,28 @@ def test_each_break_is_named_by_kind_module_line_and_parameters(cut, kinds, op, 
     json.dumps([b.to_dict() for b in breaks])  # plain data
 
 
-def test_a_clean_model_has_no_breaks_and_grad_of_params_is_not_one():
+def test_a_clean_model_has_no_breaks():
+    model = seeded(lambda: Net(NoCut))
+    x = torch.randn(5, 3)
+    assert locate_breaks(model, lambda: {"loss": model(x)}) == []
+
+
+def test_a_term_built_from_the_training_gradient_without_create_graph_is_cut():
+    # A gradient penalty computed with create_graph=False gets no gradient itself: a cut at that line.
     model = seeded(lambda: Net(NoCut))
     x = torch.randn(5, 3)
 
     def step():
         loss = model(x)
-        # The training gradient itself (w.r.t. parameters) ends a chain; it does not break one.
-        grads = torch.autograd.grad(loss, list(model.parameters()))
+        grads = torch.autograd.grad(loss, list(model.parameters()))  # the penalty's cut
         return {"loss": loss, "norm": torch.stack([g.norm() for g in grads]).sum()}
 
-    assert locate_breaks(model, step) == []
+    (brk,) = locate_breaks(model, step)
+    line, _ = source_line(
+        test_a_term_built_from_the_training_gradient_without_create_graph_is_cut, "# the" + " penalty"
+    )
+    assert (brk.kind, brk.op, brk.line, brk.detail) == ("autograd_grad_no_create_graph", "torch.autograd.grad", line,
+                                                         "create_graph=False")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the zoo potential
@@ -149,8 +160,10 @@ def test_zoo_potential_in_eval_mode_breaks_at_its_force_autograd_grad(zoo):
     assert (brk.op, brk.module, brk.module_type) == ("torch.autograd.grad", "", "ReferencePotential")
     assert (brk.file, brk.line, brk.code) == (os.path.abspath(potential.__file__), line, code)
     assert "eval mode" in brk.detail
-    # The energy (hence the force) depends on every parameter except the auxiliary head.
-    expected = [n for n, _ in model.named_parameters() if not n.startswith("aux_head")]
+    # The force depends on every parameter except the auxiliary head and those with no effect on
+    # dE/dx: the per-type energy shift and the output bias (seen op by op in the backward).
+    no_force = ("aux_head.", "energy_shift", "fitting.out.bias")
+    expected = [n for n, _ in model.named_parameters() if not n.startswith(no_force)]
     assert list(brk.parameters) == expected
 
 
@@ -210,7 +223,8 @@ def test_an_imported_autograd_grad_without_create_graph_is_named():
     assert [(b.kind, b.module, b.line, b.code, b.detail) for b in breaks] == [
         ("autograd_grad_no_create_graph", "", line, code, "create_graph=False")
     ]
-    assert breaks[0].parameters == ("lin.weight", "lin.bias")
+    # dE/dx = lin.weight-dependent only: the bias does not enter the backward.
+    assert breaks[0].parameters == ("lin.weight",)
 
 
 # ---------------------------------------------------------------------------- NaN and Inf
@@ -288,13 +302,14 @@ def test_nonfinite_inside_the_steps_own_backward_is_located():
         line,
         code,
     )
-    # The forward check sees it where the step's autograd.grad returns it.
+    # The forward check sees it inside the step's autograd.grad, at the backward op that makes it.
     breaks = locate_breaks(model, lambda: model(coord), check_nonfinite=True)
     line, code = source_line(Force.forward, "# nan force")
     assert [(b.kind, b.op, b.line, b.code) for b in breaks] == [
         ("nonfinite", "torch.autograd.grad", line, code)
     ]
-    assert breaks[0].parameters == ("lin.weight", "lin.bias")
+    assert "aten." in breaks[0].detail
+    assert breaks[0].parameters == ("lin.weight",)  # the bias does not enter dE/dx
 
 
 def test_nonfinite_forward_is_named_only_when_asked():

@@ -37,7 +37,7 @@ from torch import nn
 import gradprobe
 import gradprobe.measure
 import gradprobe.status
-from gradprobe.locate import locate_breaks
+from gradprobe.evidence.locate import locate_breaks
 
 EXAMPLES = int(os.environ.get("GRADPROBE_HYPOTHESIS_EXAMPLES", "25"))
 SETTINGS = settings(
@@ -238,21 +238,39 @@ def expected_flow(cfg: Config, edge_lines: list[int]) -> Expected:
     order = {n: i for i, (n, _, _) in enumerate(params)}
     nodes = cfg.nodes
 
-    # Forward facts: does a node's output require grad, which parameters does it depend on (as the
-    # locator tracks provenance: through every op but a Python number), is its input exactly zero.
+    # Forward facts, as the lineage recorder tracks them: does a node's output require grad; which
+    # parameters its value depends on (through every op but a Python number, and not through a
+    # product with 0.0: x * 0 depends on nothing); which of those can still pass a gradient (live).
+    trainable_params = {n for n, _, trainable in params if trainable}
     out_rg: list[bool] = []
     prov: list[set[str]] = []
+    live: list[set[str]] = []
     for node in nodes:
         src_rg = cfg.x_requires_grad if node.src < 0 else out_rg[node.src]
         src_prov = set() if node.src < 0 else prov[node.src]
+        src_live = set() if node.src < 0 else live[node.src]
         in_rg = src_rg and node.edge in (PASS, ZERO_MULT)
         out_rg.append(in_rg or node.module in trainable_modules)
-        prov.append(set(module_params[node.module]) | (set() if node.edge == "item" else src_prov))
+        own = set(module_params[node.module])
+        kept = node.edge not in ("item", ZERO_MULT)
+        prov.append(own | (src_prov if kept else set()))
+        live.append((own & trainable_params) | (src_live if node.edge == PASS else set()))
 
+    # A cut names the parameters whose gradient it severs (and the frozen ones its values depend on:
+    # they never carry a gradient). A cut of nothing live is not a break; a Python number leaving
+    # torch is one whenever its value depends on parameters.
+    frozen_params = {n for n, _, trainable in params if not trainable}
     breaks: dict[tuple[str, int], tuple[str, ...]] = {}
     for k, node in enumerate(nodes):
-        if node.edge in CUT_KINDS and node.src >= 0 and out_rg[node.src] and prov[node.src]:
-            breaks[node.edge, edge_lines[k]] = tuple(sorted(prov[node.src], key=order.__getitem__))
+        if node.edge not in CUT_KINDS or node.src < 0:
+            continue
+        src_live, src_prov = live[node.src], prov[node.src]
+        if node.edge == "item" and not src_live:
+            severed = src_prov
+        else:
+            severed = src_live | (src_prov & frozen_params) if src_live else set()
+        if severed:
+            breaks[node.edge, edge_lines[k]] = tuple(sorted(severed, key=order.__getitem__))
 
     flows: dict[str, dict[str, str]] = {}
     has_graph: dict[str, bool] = {}

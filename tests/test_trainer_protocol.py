@@ -52,8 +52,12 @@ def test_bisector_flips_the_trainers_own_knob(example) -> None:  # type: ignore[
     fm = probe_trainer(adapter, knobs={"compiled": {"detach_aux": True, "backend": "eager"}}, diagnose=True)
     name = "tiny:compiled[detach_aux=true,backend=eager]"
     assert fm.count(name, "aux only") == (2, 6)
+    # The trainer returns its total only: its lineage is recorded once per term, and the cut is named
+    # with the trainer's own line, in that path only.
     (finding,) = fm.errors()
-    assert finding.cause == "flow-mismatch" and "trunk.weight" in finding.message
+    assert finding.cause == "graph-break-in-model" and "trunk.weight" in finding.message
+    assert finding.location["file"].endswith("custom_trainer.py") and "h.detach()" in finding.location["code"]
+    assert finding.location["variants"] == [name]
     bis = fm.bisection(name)
     assert bis is not None and bis["culprit"] == {"knob": "detach_aux", "change": "detach_aux=true → false"}
     assert bis["fix"] == {"variant": "tiny:compiled[backend=eager]", "ok": True}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .build import VariantContext, build
-from .compare import consistency_tolerance
+from .compare import consistency_tolerance, negligible, noise_floor
 from .errors import SpecError
 from .measure import run_error
 from .optim import fresh_optimizer
@@ -38,10 +38,19 @@ VIRIAL_RTOL = 1e-6
 
 
 def consistency_report(
-    names: Sequence[str], measured: Sequence[Any], reference: Mapping[str, Any], ref_name: str, dtype: str
+    names: Sequence[str],
+    measured: Sequence[Any],
+    reference: Mapping[str, Any],
+    ref_name: str,
+    dtype: str,
+    numels: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Allclose of each variant's gradients and term values against the reference, per scenario."""
+    """Allclose of each variant's gradients and term values against the reference, per scenario.
+
+    A parameter whose gradient is at noise level in both runs (below the run's noise floor, see
+    ``compare.noise_floor``) is not compared: noise is not a wrong value."""
     rtol, atol = consistency_tolerance(dtype)
+    numels = list(numels) if numels is not None else [1] * len(names)
     out: dict[str, Any] = {"rtol": rtol, "atol": atol, "variants": {}}
     for x in measured:
         if x.info.name == ref_name:
@@ -53,11 +62,12 @@ def consistency_report(
             ref = reference.get(m.scenario)
             if m.error is not None or ref is None or ref.error is not None:
                 continue
-            for name, e in zip(names, m.excess or [], strict=False):
+            floor = noise_floor(ref.norms or [], numels, dtype) if ref.norms else 0.0
+            for i, (name, e) in enumerate(zip(names, m.excess or [], strict=False)):
                 if e is None:
                     continue
                 checked += 1
-                if not e <= atol:
+                if not e <= atol and not _both_noise(m, ref, i, numels[i], floor):
                     failed.append({"scenario": m.scenario, "parameter": name, "excess": e})
             for t, v in m.term_values.items():
                 r = ref.term_values.get(t)
@@ -74,6 +84,14 @@ def consistency_report(
             "runs_failed": runs_failed,
         }
     return out
+
+
+def _both_noise(m: Any, ref: Any, i: int, numel: int, floor: float) -> bool:
+    if floor <= 0 or not m.statuses or not ref.statuses or not m.norms or not ref.norms:
+        return False
+    return negligible(ref.statuses[i], ref.norms[i], numel, floor) and negligible(
+        m.statuses[i], m.norms[i], numel, floor
+    )
 
 
 def _float64_copy(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -120,15 +138,16 @@ def physics_check(
         )
         err = abs(float(force[f, i, d] - fd))
         errors.append(err)
-        if err >= worst["abs_error"]:
+        if not err < worst["abs_error"]:  # NaN is the worst of all
             worst = {"frame": f, "atom": i, "direction": "xyz"[d], "force": float(force[f, i, d]),
                      "finite_difference": float(fd), "abs_error": err}  # fmt: skip
     scale = float(force.abs().max()) or 1.0
+    worst_error = math.nan if any(e != e for e in errors) else max(errors)
     result: dict[str, Any] = {
         "samples": samples,
         "force": {
-            "max_abs_error": max(errors),
-            "max_rel_error": max(errors) / scale,
+            "max_abs_error": worst_error,
+            "max_rel_error": worst_error / scale,
             "scale": scale,
             "worst": worst,
         },
@@ -139,25 +158,56 @@ def physics_check(
         "relative": residual / (force.abs().mean().item() * natoms or 1.0),
     }
     failures = []
-    if result["force"]["max_rel_error"] > FORCE_RTOL:
+    # `not x <= tol`, never `x > tol`: a NaN error is a failure.
+    if not result["force"]["max_rel_error"] <= FORCE_RTOL:
         failures.append(
             f"forces differ from -dE/dx by up to {result['force']['max_rel_error']:.2g} of the force scale "
             f"(frame {worst['frame']}, atom {worst['atom']}, {worst['direction']}: {worst['force']:.6g} vs "
             f"{worst['finite_difference']:.6g})"
         )
-    if result["sum_rule"]["relative"] > SUM_RULE_RTOL:
+    if not result["sum_rule"]["relative"] <= SUM_RULE_RTOL:
         failures.append(
             f"forces do not sum to zero: residual {residual:.3g} ({result['sum_rule']['relative']:.2g} relative)"
         )
     if spec.box_key is not None and spec.box_key in b and "virial" in pred:
         result["virial"] = _virial(pred["virial"].detach(), energy, coord, b[spec.box_key], spec, h)
-        if result["virial"]["max_rel_error"] > VIRIAL_RTOL:
+        if not result["virial"]["max_rel_error"] <= VIRIAL_RTOL:
             failures.append(
                 f"virial differs from the strain derivative by {result['virial']['max_rel_error']:.2g}"
             )
     result["failures"] = failures
     result["passed"] = not failures
+    if failures:
+        result["cuts"] = _coordinate_cuts(spec, model64, b)
     return result
+
+
+def _coordinate_cuts(spec: ProbeSpec, model64: torch.nn.Module, b: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where the energy path's dependence on the coordinates stops carrying gradient: one recorded
+    step of ``energy_fn`` and of ``predict`` with the coordinates (and cell) as lineage sources. A
+    force from a gradient that misses part of the energy's dependence is not -dE/dx."""
+    from .evidence.lineage import record
+
+    sources = [
+        (k, b[k])
+        for k in (spec.coord_key, spec.box_key)
+        if k is not None and isinstance(b.get(k), torch.Tensor)
+    ]
+    found: dict[tuple[str, int, str], dict[str, Any]] = {}
+    calls = (("energy", lambda: {"energy": spec.energy_fn(model64, b)}),  # type: ignore[misc]
+             ("force", lambda: {"force": spec.predict(model64, b)["force"]}))  # type: ignore[misc]  # fmt: skip
+    for what, call in calls:
+        with torch.enable_grad():
+            lin = record(model64, sources, call, f"{what} path", lambda r: r)
+        term = lin.terms.get(what)
+        if term is None:
+            continue
+        for site in lin.sites:
+            if site.id in term.sites and site.parameters:
+                d = site.to_dict()
+                d["path"] = what
+                found.setdefault((d["file"], d["line"], d["kind"]), d)
+    return list(found.values())
 
 
 def _virial(virial: torch.Tensor, energy: Any, coord: torch.Tensor, box: torch.Tensor, spec: ProbeSpec,

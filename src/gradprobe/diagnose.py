@@ -1,7 +1,8 @@
 """Diagnosis: rules over the flow map's evidence, each in its own module under ``causes/``.
 
-A detector reads only evidence (cells, runs, variant errors and knobs, graph lint, located breaks,
-bisection results, notes), never how the model was built or which zoo switch is on. Specific causes
+A detector reads only evidence (cells, runs, variant errors, what ``gradprobe.evidence`` gathered:
+lineage, confirmations, dynamo events, graph lint, bisections; checks; notes), never how the model was
+built or which zoo switch is on. Specific causes
 run first; the generic ones (run-failed, flow-mismatch, unused-parameter) report only what no specific
 cause explained. Adding a cause is adding one module and listing it in ``causes.SPECIFIC``.
 """
@@ -21,5 +22,9 @@ def diagnose(fm: FlowMap) -> list[Finding]:
     explained = Explained()
     for f in findings:
         explained.add(f.evidence)
-    findings += [f for detect in GENERIC for f in detect(fm, explained)]
+    for detect in GENERIC:
+        found = detect(fm, explained)
+        for f in found:
+            explained.add(f.evidence)
+        findings += found
     return sorted(findings, key=lambda f: _SEVERITY_ORDER[f.severity])

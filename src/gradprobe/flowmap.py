@@ -77,6 +77,9 @@ class Run:
     error: RunError | None = None
     seconds: float = 0.0
     compiled_graphs: int | None = None  # graphs compiled during this run: > 0 after the first = recompiles
+    # Against the reference's gradients of the same scenario, over all parameters at once:
+    grad_cosine: float | None = None  # cosine of the two gradient vectors
+    grad_scale: float | None = None  # |g|_2 / |g_ref|_2
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class FlowMap:
     bisections: tuple[dict[str, Any], ...] = ()  # bisect.Bisection.to_dict() per failing variant
     breaks: tuple[dict[str, Any], ...] = ()  # locate.Break.to_dict(): where chains break in the model
     checks: dict[str, Any] = field(default_factory=dict)  # verification results by check name (checks.py)
+    # What the evidence layer gathered (gradprobe.evidence): lineage, confirmations, dynamo events.
+    evidence: dict[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
 
     # ----- queries -------------------------------------------------------------------------------
@@ -227,6 +232,7 @@ class FlowMap:
             "bisections": list(self.bisections),
             "breaks": list(self.breaks),
             "checks": dict(self.checks),
+            "evidence": dict(self.evidence),
         }
         return _json_safe(d)
 
@@ -289,6 +295,8 @@ class FlowMap:
                         x.run_error("error"),
                         x.number("seconds", 0.0),
                         x.count("compiled_graphs"),
+                        x.number("grad_cosine", None),
+                        x.number("grad_scale", None),
                     )
                     for x in r.objects("runs")
                 ),
@@ -334,6 +342,7 @@ class FlowMap:
                 bisections=tuple(dict(b.data) for b in r.objects("bisections", ())),
                 breaks=tuple(dict(b.data) for b in r.objects("breaks", ())),
                 checks=_decode_nonfinite(r.obj("checks", {})),
+                evidence=_decode_nonfinite(r.obj("evidence", {})),
             )
         except FlowMapFormatError:
             raise

@@ -11,14 +11,16 @@ Both return one ``Measurement`` per scenario; statuses are reduced in batches (`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .compare import allclose_excess, relative_errors
+from .compare import allclose_excess, cosine_and_scale, relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .scenarios import Scenario
@@ -44,6 +46,8 @@ class Measurement:
     grads: Grads | None = None  # kept only for the reference variant (one copy of the gradients)
     compiled_graphs: int | None = None  # graphs the backend compiled during this run (0 = no recompile)
     excess: list[float | None] | None = None  # max(|g - g_ref| - rtol |g_ref|) per parameter (consistency)
+    grad_cosine: float | None = None  # against the reference's gradients, all parameters at once
+    grad_scale: float | None = None  # |g|_2 / |g_ref|_2
 
 
 def run_error(stage: str, e: BaseException) -> RunError:
@@ -266,12 +270,14 @@ def per_scenario(
     reference: Mapping[str, Measurement] | None = None,
     counter: Any = None,
     consistency_rtol: float = 1e-10,
+    observe: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> list[Measurement]:
     """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors.
 
     ``reference``: measurements (with gradients) to compare values with. ``counter``: the variant's
     ``CompileCounter``; a run in which no compiled graph executed ran in eager and is recorded as a
     dynamo fallback rather than measured as if compiled, and graphs compiled per run show recompiles.
+    ``observe(scenario)``: a context entered around each scenario's run (dynamo's events per run).
     """
     like = params[0]
     results = []
@@ -280,43 +286,64 @@ def per_scenario(
         reseed(seed)
         m = Measurement(s.name)
         executions, graphs = (counter.executions, counter.graphs) if counter is not None else (0, 0)
-        try:
-            out = call(make_weights(terms, s.terms, like))
-        except GradProbeError:
-            raise
-        except Exception as e:
-            m.error = run_error("forward", e)
-        else:
-            total, values = check_total(out, terms)
-            host = _host_values({"__total__": total, **values})
-            m.total = host.pop("__total__")
-            m.term_values = host
-            if counter is not None:
-                m.compiled_graphs = counter.graphs - graphs
-            if counter is not None and counter.executions == executions:
-                m.error = RunError(
-                    "compile",
-                    "DynamoFallback",
-                    getattr(counter, "fallback_message", None)
-                    or "no compiled graph ran: dynamo ran this step in eager (recompile limit reached, or the "
-                    "frame was skipped), so this run would measure eager, not the compiled path",
-                )
-            elif not total.requires_grad:
-                m.error = no_grad_path(f"the total loss of scenario {s.name!r}")
-            else:
-                try:
-                    grads = list(torch.autograd.grad(total, params, allow_unused=True))
-                except Exception as e:
-                    m.error = run_error("backward", e)
-                else:
-                    m.statuses, m.norms = reduce_grads(grads)
-                    ref = reference.get(s.name) if reference is not None else None
-                    if ref is not None and ref.grads is not None and ref.norms is not None:
-                        m.rel_errors = relative_errors(grads, ref.grads, ref.norms)
-                        m.excess = allclose_excess(grads, ref.grads, consistency_rtol)
-                    if keep:
-                        m.grads = grads
-                    del grads
+        with observe(s.name) if observe is not None else contextlib.nullcontext():
+            _run_scenario(m, call, params, s, terms, like, counter, executions, graphs, reference, keep,
+                          consistency_rtol)  # fmt: skip
         m.seconds = time.perf_counter() - t0
         results.append(m)
     return results
+
+
+def _run_scenario(
+    m: Measurement,
+    call: WeightedCall,
+    params: Sequence[torch.Tensor],
+    s: Scenario,
+    terms: Sequence[str],
+    like: torch.Tensor,
+    counter: Any,
+    executions: int,
+    graphs: int,
+    reference: Mapping[str, Measurement] | None,
+    keep: bool,
+    consistency_rtol: float,
+) -> None:
+    """One forward and one gradient of one scenario into ``m``; failures are recorded, not raised."""
+    try:
+        out = call(make_weights(terms, s.terms, like))
+    except GradProbeError:
+        raise
+    except Exception as e:
+        m.error = run_error("forward", e)
+        return
+    total, values = check_total(out, terms)
+    host = _host_values({"__total__": total, **values})
+    m.total = host.pop("__total__")
+    m.term_values = host
+    if counter is not None:
+        m.compiled_graphs = counter.graphs - graphs
+    if counter is not None and counter.executions == executions:
+        m.error = RunError(
+            "compile",
+            "DynamoFallback",
+            getattr(counter, "fallback_message", None)
+            or "no compiled graph ran: dynamo ran this step in eager (recompile limit reached, or the "
+            "frame was skipped), so this run would measure eager, not the compiled path",
+        )
+        return
+    if not total.requires_grad:
+        m.error = no_grad_path(f"the total loss of scenario {s.name!r}")
+        return
+    try:
+        grads = list(torch.autograd.grad(total, params, allow_unused=True))
+    except Exception as e:
+        m.error = run_error("backward", e)
+        return
+    m.statuses, m.norms = reduce_grads(grads)
+    ref = reference.get(s.name) if reference is not None else None
+    if ref is not None and ref.grads is not None and ref.norms is not None:
+        m.rel_errors = relative_errors(grads, ref.grads, ref.norms)
+        m.excess = allclose_excess(grads, ref.grads, consistency_rtol)
+        m.grad_cosine, m.grad_scale = cosine_and_scale(grads, ref.grads)
+    if keep:
+        m.grads = grads

@@ -14,11 +14,12 @@ from .balance import balance_report
 from .batch import check_devices, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
-from .compare import consistency_tolerance, tolerance, verdict
+from .compare import consistency_tolerance, negligible, noise_floor, tolerance, verdict
 from .diagnose import diagnose
-from .errors import SpecError, did_you_mean
+from .errors import GradProbeError, SpecError, did_you_mean
+from .evidence.dynamo_events import Watch
+from .evidence.graphlint import lint
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
-from .graphlint import lint
 from .measure import Measurement, per_scenario, per_term
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, resolve_model
@@ -131,10 +132,12 @@ def run_probe(
             f"unknown check {unknown[0]!r}{did_you_mean(unknown[0], CHECKS)}; checks are: {', '.join(CHECKS)}"
         )
     results_of_checks: dict[str, Any] = {}
+    evidence: dict[str, Any] = {}
     with preserved(model), torch.enable_grad():
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
         builds: dict[str, Built] = {}
+        watches: dict[str, Watch] = {}
         # The reference's gradients are kept (one copy per scenario) only when something reads them:
         # another variant, the consistency and balance checks, or the diagnosis.
         keep_ref = len(ordered) > 1 or diagnose_ or "balance" in checks
@@ -143,38 +146,45 @@ def run_probe(
             start = time.perf_counter()
             breaks_before = _graph_breaks()
             built: Built | None = None
-            if _is_plain_eager(variant) and mode == "terms":
-                reseed(spec.seed)
-                terms, scenarios, results = per_term(
-                    lambda b=batch: spec.step(model, b),
-                    params,
-                    spec.terms,
-                    lambda ts: resolve_scenarios(spec.scenarios, ts),
-                    keep=is_ref and keep_ref,
-                )
-                if not is_ref:
-                    results = _compare_per_term(results, ref_results)
-            elif _is_plain_eager(variant):
-                results = per_scenario(
-                    lambda w, b=batch: spec.step(model, b, w),
-                    params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
-                    reference=None if is_ref else ref_results,
-                )  # fmt: skip
-            else:
-                ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, first))
-                built = build(variant, ctx)
-                builds[variant.name] = built
-                if built.error is not None:
-                    results = [Measurement(s.name, error=built.error) for s in scenarios]
-                else:
-                    counter = built.counter
+            watch = watches[variant.name] = Watch()
+            with watch:
+                if _is_plain_eager(variant) and mode == "terms":
+                    reseed(spec.seed)
+                    with watch.window("the eager step"):
+                        terms, scenarios, results = per_term(
+                            lambda b=batch: spec.step(model, b),
+                            params,
+                            spec.terms,
+                            lambda ts: resolve_scenarios(spec.scenarios, ts),
+                            keep=is_ref and keep_ref,
+                        )
+                    if not is_ref:
+                        results = _compare_per_term(results, ref_results)
+                elif _is_plain_eager(variant):
                     results = per_scenario(
-                        lambda w, run=built.run, b=batch: run(b, w),
+                        lambda w, b=batch: spec.step(model, b, w),
                         params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
-                        reference=None if is_ref else ref_results,
-                        counter=counter,
-                        consistency_rtol=consistency_tolerance(dtype)[0],
+                        reference=None if is_ref else ref_results, observe=watch.window,
                     )  # fmt: skip
+                else:
+                    ctx = VariantContext(
+                        model, spec.step, mode, terms, batch, make_weights(terms, terms, first)
+                    )
+                    with watch.window("build"):
+                        built = build(variant, ctx)
+                    builds[variant.name] = built
+                    if built.error is not None:
+                        results = [Measurement(s.name, error=built.error) for s in scenarios]
+                    else:
+                        counter = built.counter
+                        results = per_scenario(
+                            lambda w, run=built.run, b=batch: run(b, w),
+                            params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
+                            reference=None if is_ref else ref_results,
+                            counter=counter,
+                            consistency_rtol=consistency_tolerance(dtype)[0],
+                            observe=watch.window,
+                        )  # fmt: skip
             if is_ref:
                 ref_results = {m.scenario: m for m in results}
             info = VariantInfo(
@@ -200,7 +210,7 @@ def run_probe(
         trainable_names = [n for n, _ in trainable]
         if len(measured) > 1:
             results_of_checks["consistency"] = consistency_report(
-                trainable_names, measured, ref_results, ref_name, dtype
+                trainable_names, measured, ref_results, ref_name, dtype, [p.numel() for p in params]
             )
         if "shapes" in checks:
             if spec.other_shapes_batch is None:
@@ -218,47 +228,60 @@ def run_probe(
                 ref_name,
             )
         if "physics" in checks:
-            results_of_checks["physics"] = physics_check(spec, model, spec.batch)
+            results_of_checks["physics"] = _checked("physics", lambda: physics_check(spec, model, spec.batch))
         if "balance" in checks:
-            results_of_checks["balance"] = balance_report(
-                spec,
-                model,
-                trainable_names,
-                scenarios,
-                ref_results,
-                _terms_caller(spec, model, mode, terms, batch),
-            )
+            results_of_checks["balance"] = _checked(
+                "balance",
+                lambda: balance_report(
+                    spec, model, trainable_names, scenarios, ref_results,
+                    _terms_caller(spec, model, mode, terms, batch),
+                ),
+            )  # fmt: skip
         if "training" in checks:
-            results_of_checks["training"] = training_check(
-                spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
+            results_of_checks["training"] = _checked(
+                "training",
+                lambda: training_check(
+                    spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
+                ),
             )
+        evidence["dynamo"] = {name: w.to_dict() for name, w in watches.items()}
         if diagnose_:
-            from .diagnosis import bisect_failing, locate_in_model
+            from .evidence import collect
 
-            dtype_name = str(first.dtype).removeprefix("torch.")
-            bisections = bisect_failing(
-                spec,
-                model,
-                params,
-                mode,
-                terms,
-                scenarios,
-                batch,
-                measured,
-                ref_results,
-                ref_name,
-                dtype_name,
-                model_training,
+            found = collect.lineages(spec, model, trainable, mode, terms, batch, measured, builds)
+            evidence["lineage"] = {name: lin.to_dict() for name, lin in found.items()}
+            evidence["confirmations"] = collect.confirmations(
+                spec, model, trainable, mode, terms, scenarios, batch, measured, builds, found
             )
-            breaks = locate_in_model(spec, model, mode, terms, batch, ref_results)
+            bisections = collect.bisect_failing(
+                spec, model, params, mode, terms, scenarios, batch, measured, ref_results, ref_name,
+                dtype, model_training,
+            )  # fmt: skip
+            breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
         ref_results.clear()  # drop the kept gradients
         for m in measured:
             for r in m.results:
                 r.grads = None
 
     fm = _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
-    fm = replace(fm, bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks)
+    fm = replace(
+        fm, bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence
+    )
     return replace(fm, findings=tuple(diagnose(fm)))
+
+
+def _checked(name: str, run: Any) -> dict[str, Any]:
+    """A check's result; a check that raised (other than for bad input) is recorded as failed."""
+    try:
+        return run()
+    except GradProbeError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        return {
+            "passed": False,
+            "error": f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}",
+        }
 
 
 def _compare_per_term(results: list[Measurement], reference: Mapping[str, Measurement]) -> list[Measurement]:
@@ -430,19 +453,30 @@ def _flow_map(
     ref_status = {
         (m.scenario): m.statuses for x in measured if x.info.name == ref_name for m in x.results
     }  # fmt: skip
+    ref_norms_of = {m.scenario: m.norms for x in measured if x.info.name == ref_name for m in x.results}
+    numels = [p.numel() for _, p in trainable]
     runs, cells = [], []
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
-            runs.append(
-                Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs)
-            )
+            run = Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs,
+                      m.grad_cosine, m.grad_scale)  # fmt: skip
+            runs.append(run)
             if m.statuses is None or m.norms is None:
                 continue
             rel = m.rel_errors or [None] * len(trainable_names)
             refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
+            ref_norms = ref_norms_of.get(m.scenario) or [None] * len(trainable_names)
+            floor = noise_floor(ref_norms, numels, dtype)
             for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
-                v = None if refs is None else verdict(refs[i], st, rel[i], rtol)
+                if refs is None:
+                    v = None
+                else:
+                    noise = (
+                        negligible(refs[i], ref_norms[i], numels[i], floor),
+                        negligible(st, nm, numels[i], floor),
+                    )
+                    v = verdict(refs[i], st, rel[i], rtol, noise)
                 cells.append(
                     Cell(x.info.name, m.scenario, n, st, nm, rel[i] if refs is not None else None, v)
                 )

@@ -2,8 +2,8 @@
 
 Specific detectors are ``detect(fm) -> list[Finding]``; a finding lists the (variant, scenario) runs it
 explains in ``evidence["runs"]`` and the parameters in ``evidence["parameters"]``. The generic detectors
-(run-failed, flow-mismatch, unused-parameter) run last, ``detect(fm, explained)``, and report only what
-no specific cause explained.
+(dead-term, run-failed, flow-mismatch, consistency-failed, unused-parameter) run last, in that order,
+``detect(fm, explained)``, and report only what no cause before them explained.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from ..flowmap import Finding, FlowMap
 from . import (
     backend_drops,
     balance_causes,
+    consistency_failed,
+    dead_term,
     double_backward,
+    failed_checks,
     flow_mismatch,
+    frozen_trace,
     ghost_force_slice,
     graph_break_in_model,
     makefx_detach,
@@ -38,6 +42,7 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
     backend_drops.detect,
     requires_grad_placement.detect,
     graph_break_in_model.detect,
+    frozen_trace.detect,
     recompile_per_scenario.detect,
     nonfinite_grad.detect,
     second_batch.detect,
@@ -45,9 +50,13 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
     norm_mismatch.detect,
     shape_locked.detect,
     balance_causes.detect,
+    failed_checks.detect,
 )
+# In order: each reports only what the specific causes and the generic ones before it left unexplained.
 GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
+    dead_term.detect,
     run_failed.detect,
     flow_mismatch.detect,
+    consistency_failed.detect,
     unused_parameter.detect,
 )

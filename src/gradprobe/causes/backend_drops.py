@@ -1,5 +1,8 @@
 """backend-drops-grads: counts or values change at one backend of the ladder and not before, with the
-capture (and its detach handling) already right."""
+capture (and its detach handling) already right.
+
+Evidence: a bisection whose first bad rung was *measured* to give other gradients (not an error:
+a rung that raises is another cause), and measured differences in the path itself."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from ..flowmap import Finding, FlowMap
 from .common import differing, runs_of
 
 CAUSE = "backend-drops-grads"
+OWN = "the path's own backend"  # every override rung was right (evidence.bisect._generic_flips)
 
 
 def detect(fm: FlowMap) -> list[Finding]:
@@ -18,20 +22,38 @@ def detect(fm: FlowMap) -> list[Finding]:
         v = b["variant"]
         if any("double backward" in (r.error.message if r.error else "") for r in fm.runs if r.variant == v):
             continue  # that is double-backward-unsupported
+        broke = next(
+            (t for t in b.get("trials") or () if t.get("knob") == "backend" and not t.get("ok")), None
+        )
+        # The path's own backend (every override rung was right) was measured by the probe itself.
+        measured = "differs from the reference" in str((broke or {}).get("result", "")) or (
+            broke is None and culprit.get("last_good") is not None
+        )
+        if not measured:
+            continue  # the rung raised: another cause; no gradient was seen to differ
         bad = differing(fm, v)
+        if not bad:
+            continue
         lost = sorted({p for s in bad for p, c in fm.differences(v, s).items()})
         last = culprit.get("last_good")
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"backend {culprit['backend']} changes the gradients of {v}: {', '.join(bad)} differ from "
-                f"{fm.reference} ({', '.join(lost[:6])}); the traced graph without it is right"
-                + (f", {last} is right too" if last else ""),
+                (
+                    f"{v}'s own backend (past {last} on the ladder) changes its gradients: {', '.join(bad)} differ "
+                    f"from {fm.reference} ({', '.join(lost[:6])}); bisect: {b.get('summary')}"
+                    if culprit["backend"] == OWN
+                    else f"backend {culprit['backend']} changes the gradients of {v}: {', '.join(bad)} differ from "
+                    f"{fm.reference} ({', '.join(lost[:6])}); the traced graph without it is right"
+                    + (f", {last} is right too" if last else "")
+                ),
                 evidence={"variant": v, "runs": runs_of(v, bad), "bisection": b, "parameters": lost},
                 location={"variant": v, "backend": culprit["backend"]},
                 fix=(
-                    f"use backend {last} (the last good one on the ladder)" if last else "use another backend"
+                    f"use backend {last} (the last good one on the ladder, verified: {(b.get('fix') or {}).get('variant')})"
+                    if last
+                    else "use another backend"
                 )
                 + "; hand the graph to torch._inductor.compiler_bisector (inductor) or bisect the backend's passes",
             )

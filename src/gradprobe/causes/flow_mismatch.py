@@ -22,6 +22,8 @@ def mismatch_summary(fm: FlowMap, variant: str, scenario: str) -> dict[str, obje
         "count": fm.count(variant, scenario)[0],
         "reference_count": fm.count(fm.reference, scenario)[0],
         "missing": [p for p, c in diffs.items() if c.verdict == MISSING],
+        # exact zeros apart from no gradient at all: a path that exists but carries nothing
+        "missing_zero": [p for p, c in diffs.items() if c.verdict == MISSING and c.status == "zero"],
         "extra": [p for p, c in diffs.items() if c.verdict == EXTRA],
         "wrong": list(wrong),
         "max_rel_error": max(finite) if finite else None,
@@ -31,7 +33,11 @@ def mismatch_summary(fm: FlowMap, variant: str, scenario: str) -> dict[str, obje
 def describe(s: dict) -> str:
     parts = [f"{s['scenario']}: {s['count']} reached vs {s['reference_count']}"]
     if s["missing"]:
-        parts.append(f"lost {names(s['missing'])}")
+        zero = set(s.get("missing_zero") or ())
+        none = [p for p in s["missing"] if p not in zero]
+        lost = [f"{names(none)} (no gradient)"] if none else []
+        lost += [f"{names(sorted(zero))} (exact zero)"] if zero else []
+        parts.append("lost " + "; ".join(lost))
     if s["extra"]:
         parts.append(f"extra {names(s['extra'])}")
     if s["wrong"]:
@@ -64,12 +70,28 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
             culprit, verified = bis.get("culprit"), bis.get("fix") or {}
             if culprit is not None and verified.get("ok"):
                 fix = f"{culprit['change']}: {verified['variant']} matches {fm.reference} (verified)"
+        severity = "error"
+        physics = fm.checks.get("physics") or {}
+        if physics and not physics.get("passed", True):
+            # The reference fails a check of its own: it, not this path, is the suspect.
+            severity = "warning"
+            message += (
+                f" — but {fm.reference} itself fails the physics check (its forces are not -dE/dx): the "
+                f"reference is the culprit; {v} may well be the right one"
+            )
+            fix = f"fix {fm.reference} first (see forces-not-conservative), then compare again"
         findings.append(
             Finding(
                 CAUSE,
-                "error",
+                severity,
                 message,
-                evidence={"variant": v, "reference": fm.reference, "scenarios": summaries, "bisection": bis},
+                evidence={
+                    "variant": v,
+                    "reference": fm.reference,
+                    "scenarios": summaries,
+                    "bisection": bis,
+                    "runs": [[v, s["scenario"]] for s in summaries],
+                },
                 fix=fix,
             )
         )

@@ -9,15 +9,20 @@ from ..flowmap import Finding, FlowMap
 CAUSE = "ghost-force-slice"
 
 
+def signature(physics: dict) -> bool:  # type: ignore[type-arg]
+    """Forces off -dE/dx *and* the sum rule broken: the ghost-atom slicing signature."""
+    force, sum_rule = physics.get("force", {}), physics.get("sum_rule", {})
+    error, residual = force.get("max_rel_error", 0.0), sum_rule.get("relative", 0.0)
+    # Finite and off: NaN forces are another failure (forces-not-conservative names it).
+    finite = error == error and residual == residual and abs(error) != float("inf")
+    return bool(finite and error > 1e-6 and residual > 1e-8 and not physics.get("cuts"))
+
+
 def detect(fm: FlowMap) -> list[Finding]:
     physics = fm.checks.get("physics")
-    if not physics or physics.get("passed", True):
+    if not physics or physics.get("passed", True) or physics.get("error") or not signature(physics):
         return []
     force, sum_rule = physics.get("force", {}), physics.get("sum_rule", {})
-    force_bad = force.get("max_rel_error", 0.0) > 1e-6
-    sum_bad = sum_rule.get("relative", 0.0) > 1e-8
-    if not (force_bad and sum_bad):
-        return []
     worst = force.get("worst", {})
     return [
         Finding(

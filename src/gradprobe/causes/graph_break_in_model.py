@@ -1,40 +1,103 @@
-"""graph-break-in-model: parameters unreachable in every variant, eager too, because the model cuts the
-chain (``detach``, ``no_grad``, ``.item()``, numpy, an integer cast) — named op, module and line."""
+"""graph-break-in-model: a term's value depends on parameters that its gradient does not reach,
+because the code cuts the chain (``detach``, ``.data``, ``no_grad``, ``inference_mode``, ``.item()``,
+NumPy, ``tolist``, an integer cast) — in one term or all, whether or not other terms still reach them.
+
+Evidence: the lineage of each path's step (``gradprobe.evidence.lineage``), the measured statuses of
+the term's own scenario in that path, and, for dependence that left torch as a Python number or
+array, a finite-difference confirmation. Named op, module and line (the graph node for a replayed
+trace). Parameters a note declares as intended (``notes``) turn the error into information.
+"""
 
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names, where
+from .common import names, note_for, where
+from .lineage_cuts import TOTAL, cause_of, explained_runs, places, status_words, where_seen
 
 CAUSE = "graph-break-in-model"
-CUTS = ("detach", "no_grad", "item", "numpy", "tolist", "int_cast")
 
-
-def unreached_everywhere(fm: FlowMap) -> set[str]:
-    ok = [(v, s) for v in fm.variant_names for s in fm.scenario_names if fm.run(v, s).error is None]
-    if not ok:
-        return set()
-    reached = set().union(*(fm.reached(v, s) for v, s in ok))
-    return {p for p in fm.trainable if p not in reached}
+_SPELLING = {
+    "detach": "detach()",
+    "data": ".data",
+    "no_grad": "an op under torch.no_grad()",
+    "inference_mode": "an op under torch.inference_mode()",
+    "item": ".item()",
+    "float": "float()",
+    "tolist": ".tolist()",
+    "numpy": ".numpy()",
+    "int_cast": "an integer cast",
+    "autograd_grad_no_create_graph": "torch.autograd.grad without create_graph",
+}
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    unreached = unreached_everywhere(fm)
     findings = []
-    for b in fm.breaks:
-        cut = sorted(unreached & set(b.get("parameters") or ()))
-        if b.get("kind") not in CUTS or not cut:
+    for place in places(fm):
+        if cause_of(place.site) != CAUSE:
             continue
+        site = place.site
+        kind = str(site.get("kind"))
+        terms = ["the total loss" if t == TOTAL else t for t in place.terms]
+        notes = {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+        intended = len(notes) == len(place.parameters)
+        seen = where_seen(fm, place)
+        others = _reached_by_others(fm, place)
+        message = (
+            f"{', '.join(terms)}: the value depends on {len(place.parameters)} parameter(s) the gradient does not "
+            f"reach ({status_words(place)}) — the chain is cut by "
+            f"{_SPELLING.get(kind, kind)} at {where(site)}"
+            + (f" (graph node {site['node']})" if site.get("node") else "")
+            + (f"; {seen}" if seen else "")
+            + (f"; other terms still reach {names(others)}" if others else "")
+        )
+        if intended:
+            message += " — intended: " + "; ".join(sorted(set(notes.values())))
+        bis = next(
+            (b for v in place.variants if (b := fm.bisection(v)) is not None and b.get("summary")), None
+        )
+        verified = (bis or {}).get("fix") or {}
+        if bis is not None:
+            message += f"; bisect ({bis['variant']}): {bis['summary']}"
         findings.append(
             Finding(
                 CAUSE,
-                "error",
-                f"{len(cut)} parameter(s) get no gradient from any term in any variant: {names(cut)} — "
-                f"the chain is cut by {b.get('op')} ({b['kind']}) at {where(b)}",
-                evidence={"parameters": cut, "break": b},
-                location=b,
-                fix=f"remove the {b['kind']} on the path from these parameters to the loss (or, if they should "
-                "not train, freeze them with requires_grad_(False))",
+                "info" if intended else "error",
+                message,
+                evidence={
+                    "site": site,
+                    "variants": place.variants,
+                    "terms": place.terms,
+                    "parameters": place.parameters,
+                    "statuses": place.statuses,
+                    "runs": explained_runs(fm, place),
+                    "lineage": [fm.evidence["lineage"][v].get("label") for v in place.variants],
+                    "bisection": bis,
+                },
+                location={**site, "variants": place.variants},
+                fix=(
+                    "intended (declared in notes): nothing to do"
+                    if intended
+                    else f"remove the {_SPELLING.get(kind, kind)} on the path from these parameters to "
+                    f"{', '.join(terms)} (keep the value a tensor: no .item()/NumPy/integer round trip), or, "
+                    "if the cut is intended, declare it in notes={parameter prefix: why}"
+                    + (
+                        f"; verified: {verified['variant']} matches {fm.reference}"
+                        if verified.get("ok") and bis is not None and (bis.get("culprit") or {})
+                        else ""
+                    )
+                ),
             )
         )
     return findings
+
+
+def _reached_by_others(fm: FlowMap, place) -> list[str]:  # type: ignore[no-untyped-def]
+    """Cut parameters that another term still reaches (so 'all' looks fine while the term is flat)."""
+    out = []
+    for v in place.variants[:1]:
+        for s in fm.scenarios:
+            if len(s.terms) != 1 or s.terms[0] in place.terms:
+                continue
+            reached = fm.reached(v, s.name)
+            out.extend(p for p in place.parameters if p in reached and p not in out)
+    return out

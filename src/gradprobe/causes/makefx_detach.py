@@ -1,11 +1,20 @@
-"""makefx-detach: ``make_fx`` recorded ``detach`` nodes on tensors saved for backward (PyTorch #175477),
-so a traced path loses second-order gradients and gets the rest wrong, whatever the backend."""
+"""makefx-detach: a traced graph holds ``detach`` nodes on tensors saved for backward (PyTorch
+#175477), so a traced path loses second-order gradients and gets the rest wrong, whatever the backend.
+
+Evidence, in order of strength: the lineage of the path's step (the replayed graph's detach node cuts
+a term off parameters it depends on: seen for any path that replays a ``make_fx`` trace, the user's
+own included, no cooperation needed), then the lint of a graph the path hands over (``Built.graph``),
+then the bisection (the detach knob restores the flow).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..flowmap import Finding, FlowMap
 from .common import differing, names, runs_of, where
 from .flow_mismatch import mismatch_summary
+from .lineage_cuts import cause_of, explained_runs, places
 
 CAUSE = "makefx-detach"
 DEFAULT_FIX = (
@@ -13,60 +22,121 @@ DEFAULT_FIX = (
     "gradprobe.build.NO_DETACH_DECOMPOSITION as make_fx's decomposition_table) or strip the "
     "detach chains before compiling; or upgrade torch"
 )
+REFERENCES = ("https://github.com/pytorch/pytorch/issues/175477",)
+
+
+def _replayed_detaches(fm: FlowMap, variant: str) -> list[dict[str, Any]]:
+    """Detach nodes of a replayed graph in some term's history that cut parameter-dependent tensors:
+    a term may lose parameters entirely, or only the part of their gradient that went through them
+    (every parameter still reached, values wrong)."""
+    lin = (fm.evidence.get("lineage") or {}).get(variant) or {}
+    used = {i for t in (lin.get("terms") or {}).values() for i in t.get("sites") or ()}
+    return [
+        s for s in lin.get("sites") or () if s["id"] in used and s.get("parameters") and cause_of(s) == CAUSE
+    ]
 
 
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
+    from_lineage: dict[str, list[Any]] = {}
+    for place in places(fm):
+        if cause_of(place.site) == CAUSE:
+            for v in place.variants:
+                from_lineage.setdefault(v, []).append(place)
     for v in fm.variants:
+        if v.name == fm.reference:
+            continue
         graph = v.graph or {}
-        if v.name == fm.reference or not graph.get("cutting_detach_nodes"):
+        seen = from_lineage.get(v.name, [])
+        partial = [
+            s for s in _replayed_detaches(fm, v.name) if not any(pl.site["id"] == s["id"] for pl in seen)
+        ]
+        if not seen and not partial and not graph.get("cutting_detach_nodes"):
             continue
         bad = differing(fm, v.name)
         if not bad:
             continue
         bis = fm.bisection(v.name)
-        if bis is not None and (bis.get("culprit") or {}).get("knob") not in ("detach", None):
-            continue  # bisection found another knob: not this cause
-        summaries = [mismatch_summary(fm, v.name, s) for s in bad]
-        worst = max((s for s in summaries if s), key=lambda s: (len(s["missing"]), len(s["wrong"])))
+        if not seen and bis is not None and (bis.get("culprit") or {}).get("knob") not in ("detach", None):
+            continue  # only the lint, and the bisection found another knob: not this cause
+        findings.append(_finding(fm, v.name, bad, seen, partial, graph, bis))
+    return findings
+
+
+def _finding(
+    fm: FlowMap,
+    v: str,
+    bad: list[str],
+    seen: list[Any],
+    partial: list[dict[str, Any]],
+    graph: dict[str, Any],
+    bis: Any,
+) -> Finding:
+    summaries = [s for s in (mismatch_summary(fm, v, sc) for sc in bad) if s]
+    worst = max(summaries, key=lambda s: (len(s["missing"]), len(s["wrong"])))
+    lost = sorted({p for s in summaries for p in s["missing"]})
+    err = worst["max_rel_error"]
+    message = (
+        f"the traced path drops second-order gradients (PyTorch #175477): {worst['scenario']}: "
+        f"{worst['count']}/{len(fm.trainable)} params reached in {v} vs {worst['reference_count']}/"
+        f"{len(fm.trainable)} in {fm.reference}"
+        + (
+            f"; {len(worst['wrong'])} of the {worst['count']} off by up to {err:.0%}"
+            if worst["wrong"] and err
+            else ""
+        )
+        + (f"; lost: {names(lost)}" if lost else "")
+    )
+    if seen:
+        first = seen[0].site
+        cut = sorted({p for pl in seen for p in pl.parameters})
+        message += (
+            f"; where: {len(seen)} detach node(s) in the replayed graph cut {', '.join(seen[0].terms)} off "
+            f"{names(cut)}, first {first.get('node')}"
+            + (f" at {where(first)}" if first.get("file") else " (the trace kept no stack traces: trace with "
+               "record_stack_traces=True for the line)")
+        )  # fmt: skip
+        location = {**first, "variant": v}
+        runs = [r for pl in seen for r in explained_runs(fm, pl) if r[0] == v] + runs_of(v, bad)
+    elif partial:
+        first = partial[0]
+        message += (
+            f"; where: {len(partial)} detach node(s) in the replayed graph sit on parameter-dependent tensors "
+            f"used by the backward ops of the traced gradient (part of the gradient of {names(first['parameters'])} "
+            f"is cut), first {first.get('node')}"
+            + (f" at {where(first)}" if first.get("file") else " (the trace kept no stack traces: trace with "
+               "record_stack_traces=True for the line)")
+        )  # fmt: skip
+        location = {**first, "variant": v}
+        runs = runs_of(v, bad)
+    else:
         first = graph.get("first_detach") or {}
         saved = first.get("saved") or {}
-        lost = sorted({p for s in summaries if s for p in s["missing"]})
-        err = worst["max_rel_error"]
-        message = (
-            f"the traced path drops second-order gradients (PyTorch #175477): {worst['scenario']}: "
-            f"{worst['count']}/{len(fm.trainable)} params reached in {v.name} vs {worst['reference_count']}/"
-            f"{len(fm.trainable)} in {fm.reference}"
-            + (
-                f"; {len(worst['wrong'])} of the {worst['count']} off by up to {err:.0%}"
-                if worst["wrong"] and err
-                else ""
-            )
-            + (f"; lost: {names(lost)}" if lost else "")
-            + f"; where: {graph['cutting_detach_nodes']} aten.detach nodes on parameter-dependent tensors, first "
+        message += (
+            f"; where: {graph['cutting_detach_nodes']} aten.detach nodes on parameter-dependent tensors, first "
             f"{first.get('node')} at {where(saved or first)} (saved {saved.get('op', '?')} output)"
         )
-        if bis is not None and bis.get("summary"):
-            message += f"; bisect: {bis['summary']}"
-        findings.append(
-            Finding(
-                CAUSE,
-                "error",
-                message,
-                evidence={
-                    "variant": v.name,
-                    "runs": runs_of(v.name, bad),
-                    "graph": graph,
-                    "lost": lost,
-                    "bisection": bis,
-                },
-                location={
-                    "variant": v.name,
-                    "node": first.get("node"),
-                    **{k: saved.get(k) for k in ("file", "line", "code", "op") if saved.get(k) is not None},
-                },
-                fix=(graph.get("advice") or {}).get(CAUSE) or DEFAULT_FIX,
-                references=("https://github.com/pytorch/pytorch/issues/175477",),
-            )
-        )
-    return findings
+        location = {
+            "variant": v,
+            "node": first.get("node"),
+            **{k: saved.get(k) for k in ("file", "line", "code", "op") if saved.get(k) is not None},
+        }
+        runs = runs_of(v, bad)
+    if bis is not None and bis.get("summary"):
+        message += f"; bisect: {bis['summary']}"
+    return Finding(
+        CAUSE,
+        "error",
+        message,
+        evidence={
+            "variant": v,
+            "runs": runs,
+            "graph": graph or None,
+            "sites": [pl.site for pl in seen] + partial,
+            "lost": lost,
+            "bisection": bis,
+        },
+        location=location,
+        fix=(graph.get("advice") or {}).get(CAUSE) or DEFAULT_FIX,
+        references=REFERENCES,
+    )

@@ -31,7 +31,12 @@ def detect(fm: FlowMap) -> list[Finding]:
                 CAUSE,
                 "error",
                 message,
-                evidence={"variant": v, "scenarios": bad, "break": located[0] if located else None},
+                evidence={
+                    "variant": v,
+                    "scenarios": bad,
+                    "break": located[0] if located else None,
+                    "runs": [[v, s] for s in bad],
+                },
                 location=located[0] if located else None,
                 fix="guard the op: compute sqrt/log/division on a safe value (torch.where on the INPUT, not only on "
                 "the output: the backward of an unselected branch still multiplies 0 by inf)",

@@ -1,5 +1,8 @@
 """requires-grad-placement: the path differentiates a tensor the loss does not depend on (the coordinates
-were re-created after ``requires_grad_``), so coordinate-derived terms reach nothing."""
+were re-created after ``requires_grad_``), so coordinate-derived terms reach nothing.
+
+Evidence: an ``autograd.grad`` call in some path's lineage whose input the differentiated output does
+not use, and runs of that path with no gradient path or nothing reached."""
 
 from __future__ import annotations
 
@@ -10,12 +13,15 @@ CAUSE = "requires-grad-placement"
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    located = [b for b in fm.breaks if b.get("kind") == "autograd_grad_unused_input"]
+    lineage = fm.evidence.get("lineage") or {}
+    found = {v: [s for s in lin.get("sites") or () if s.get("kind") == "autograd_grad_unused_input"]
+             for v, lin in lineage.items()}  # fmt: skip
+    located = [(v, s) for v in fm.variant_names for s in found.get(v, [])]
     if not located:
         return []
-    b = located[0]
+    b = located[0][1]
     runs = []
-    for v in fm.variant_names:
+    for v in [v for v in fm.variant_names if found.get(v)]:
         failed = failed_runs(fm, v, lambda e: e.type == "NoGradPath")
         empty = [s for s in fm.scenario_names if fm.run(v, s).error is None and fm.count(v, s)[0] == 0]
         runs += runs_of(v, failed + empty)

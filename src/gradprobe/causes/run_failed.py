@@ -24,7 +24,12 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                     CAUSE,
                     "error",
                     f"variant {v.name} failed to {v.error.stage}: {v.error.type}: {v.error.message}",
-                    evidence={"variant": v.name, "stage": v.error.stage, "type": v.error.type},
+                    evidence={
+                        "variant": v.name,
+                        "stage": v.error.stage,
+                        "type": v.error.type,
+                        "runs": [[v.name, r.scenario] for r in failed],
+                    },
                     fix="see the error; other variants were still measured",
                 )
             )
@@ -42,6 +47,7 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                 f"{len(failed)} run(s) of {v.name} failed ({scen}): {first.stage}: {first.type}: {first.message}",
                 evidence={
                     "variant": v.name,
+                    "runs": [[v.name, r.scenario] for r in failed],
                     "scenarios": [r.scenario for r in failed],
                     "errors": [
                         {"scenario": r.scenario, "stage": r.error.stage, "type": r.error.type}

@@ -1,12 +1,23 @@
 """trace-eval-mode: a path runs the model in eval mode, so forces computed with
-``create_graph=self.training`` come out detached: force/virial terms reach nothing or their backward raises."""
+``create_graph=self.training`` come out detached: force/virial terms reach nothing or their backward
+raises. In the reference path too: a step that calls ``model.eval()`` is an error by itself.
+
+Evidence: the lineage of the path's step (``autograd.grad`` without ``create_graph`` while the module
+is in eval mode cuts a term off the parameters it depends on), or the bisection (flipping the module
+mode restores the flow).
+"""
 
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, runs_of, where
+from .lineage_cuts import cause_of, explained_runs, places, where_seen
 
 CAUSE = "trace-eval-mode"
+FIX = (
+    "call model.train() before the step or the trace (knob mode=train); forces need create_graph=True "
+    "to train"
+)
 
 
 def _detached_symptom(error) -> bool:  # type: ignore[no-untyped-def]
@@ -14,44 +25,57 @@ def _detached_symptom(error) -> bool:  # type: ignore[no-untyped-def]
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    located = [b for b in fm.breaks if b.get("kind") == "autograd_grad_no_create_graph"]
     findings = []
+    covered: set[str] = set()
+    for place in places(fm):
+        if cause_of(place.site) != CAUSE:
+            continue
+        covered.update(place.variants)
+        site = place.site
+        seen = where_seen(fm, place)
+        # autograd.grad without retain_graph also frees the graph: the energy's own backward then raises.
+        freed = [[v, s] for v in place.variants for s in failed_runs(fm, v, _detached_symptom)]
+        runs = explained_runs(fm, place) + [r for r in freed if r not in explained_runs(fm, place)]
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                f"{', '.join(place.terms)}: the model runs in eval mode, so forces computed with "
+                "create_graph=self.training come out detached and these terms have no gradient path to "
+                f"{len(place.parameters)} parameter(s) they depend on — autograd.grad without create_graph "
+                f"at {where(site)}" + (f"; {seen}" if seen else ""),
+                evidence={
+                    "variants": place.variants,
+                    "runs": runs,
+                    "site": site,
+                    "parameters": place.parameters,
+                },
+                location={**site, "variants": place.variants},
+                fix=FIX,
+            )
+        )
     for v in fm.variants:
+        if v.name in covered:
+            continue
+        bis = fm.bisection(v.name)
+        if bis is None or (bis.get("culprit") or {}).get("knob") != "mode":
+            continue
         failed = failed_runs(fm, v.name, _detached_symptom)
         zero = [s for s in fm.scenario_names if fm.run(v.name, s).error is None and fm.count(v.name, s)[0] == 0
                 and fm.run(fm.reference, s).error is None and fm.count(fm.reference, s)[0] > 0]  # fmt: skip
         symptomatic = failed + zero
         if not symptomatic:
             continue
-        bis = fm.bisection(v.name)
-        mode_flip = bis is not None and (bis.get("culprit") or {}).get("knob") == "mode"
-        # The located autograd.grad(create_graph=False) was seen running the model as handed over.
-        as_is = v.knobs.get("mode", "as-is") == "as-is" and v.capture in ("eager", "user")
-        evidence_break = located[0] if located and as_is else None
-        if not (mode_flip or evidence_break):
-            continue
-        message = (
-            f"{', '.join(symptomatic)} in {v.name}: the model runs in eval mode, so forces computed with "
-            "create_graph=self.training come out detached and these terms have no gradient path"
-        )
-        if evidence_break is not None:
-            message += f" — autograd.grad without create_graph at {where(evidence_break)}"
-        if bis is not None and bis.get("summary"):
-            message += f"; bisect: {bis['summary']}"
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                message,
-                evidence={
-                    "variant": v.name,
-                    "runs": runs_of(v.name, symptomatic),
-                    "bisection": bis,
-                    "break": evidence_break,
-                },
-                location=evidence_break or {"variant": v.name, "knob": "mode"},
-                fix="call model.train() before the step or the trace (knob mode=train); forces need "
-                "create_graph=True to train",
+                f"{', '.join(symptomatic)} in {v.name}: the model runs in eval mode, so forces computed with "
+                "create_graph=self.training come out detached and these terms have no gradient path"
+                + (f"; bisect: {bis['summary']}" if bis.get("summary") else ""),
+                evidence={"variant": v.name, "runs": runs_of(v.name, symptomatic), "bisection": bis},
+                location={"variant": v.name, "knob": "mode"},
+                fix=FIX,
             )
         )
     return findings

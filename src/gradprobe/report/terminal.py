@@ -190,6 +190,9 @@ def variant_lines(fm: FlowMap) -> list[str]:
             facts.append(f"{v.graphs} graph(s)")
         if v.graph_breaks:
             facts.append(f"{v.graph_breaks} graph break(s)")
+        dynamo = dynamo_facts(fm, v.name) if v.compile_count is None else ""
+        if dynamo:
+            facts.append(dynamo)
         if v.error is not None:
             facts.append(f"build failed at {v.error.stage}: {v.error.message}")
         if v.name != fm.reference and v.error is None:
@@ -209,6 +212,27 @@ def variant_lines(fm: FlowMap) -> list[str]:
                 facts.append(f"second batch: matches ({sb['scenario']})")
         lines.append(f"{v.name}: " + ", ".join(facts))
     return lines
+
+
+def dynamo_facts(fm: FlowMap, variant: str) -> str:
+    """What dynamo did for a path it compiled (whoever called torch.compile): frames, recompiles,
+    graph breaks, runs in which compiled code ran. Empty when dynamo compiled nothing."""
+    events = (fm.evidence.get("dynamo") or {}).get(variant) or {}
+    windows = [w for w in [events.get("build"), *(events.get("runs") or {}).values()] if w]
+    compiles = [c for w in windows for c in w.get("compiles") or ()]
+    runs = events.get("runs") or {}
+    if not compiles and not any(w.get("cache_hits") for w in windows):
+        return ""
+    parts = [f"dynamo compiled {len(compiles)} frame(s)"]
+    recompiles = [c for c in compiles if c.get("reason")]
+    if recompiles:
+        parts.append(f"{len(recompiles)} recompile(s)")
+    breaks = sum(n for w in windows for n in (w.get("graph_breaks") or {}).values())
+    if breaks:
+        parts.append(f"{breaks} graph break(s)")
+    ran = sum(bool(w.get("ran_compiled")) for w in runs.values())
+    parts.append(f"compiled code ran in {ran}/{len(runs)} run(s)")
+    return ", ".join(parts)
 
 
 def _agreement(fm: FlowMap, variant: str) -> str:

@@ -14,7 +14,7 @@ import torch
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
 
 
-def _user_frame(stack_trace: str | None) -> dict[str, Any] | None:
+def user_frame(stack_trace: str | None) -> dict[str, Any] | None:
     """The innermost frame of a node's stack trace that is not torch's or gradprobe's own machinery."""
     if not stack_trace:
         return None
@@ -28,7 +28,7 @@ def _user_frame(stack_trace: str | None) -> dict[str, Any] | None:
 
 
 def _describe(node: torch.fx.Node) -> dict[str, Any]:
-    where = _user_frame(node.meta.get("stack_trace")) or {}
+    where = user_frame(node.meta.get("stack_trace")) or {}
     target = node.target
     return {"node": node.name, "op": getattr(target, "__name__", str(target)), **where}
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .variants import BACKENDS, VariantSpec, canonical_name
+from ..variants import BACKENDS, VariantSpec, canonical_name
 
 # (ok, one-line result) for a variant measured on the failing scenarios.
 Check = Callable[[VariantSpec], tuple[bool, str]]
@@ -33,6 +33,7 @@ class Bisection:
     stage: str = ""
     fix: dict[str, Any] | None = None
     summary: str = ""
+    not_overridable: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +45,7 @@ class Bisection:
             "stage": self.stage,
             "fix": self.fix,
             "summary": self.summary,
+            "not_overridable": self.not_overridable,
         }
 
 
@@ -54,7 +56,7 @@ def with_knobs(
     capture = capture or v.capture
     backend = v.backend if backend == "same" else backend
     knobs = {k: val for k, val in {**v.knobs, **changes}.items() if val is not None}
-    from .variants import COMPILE_KNOBS, MAKE_FX_KNOBS, STEP_KNOBS
+    from ..variants import COMPILE_KNOBS, MAKE_FX_KNOBS, STEP_KNOBS
 
     allowed = dict(STEP_KNOBS)
     if capture == "make_fx":
@@ -78,6 +80,8 @@ def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_train
     if failing.capture == "user":
         b.stage = failing.base or failing.name
         _user_flips(b, failing, trial)
+        if b.culprit is None and failing.builder is not None:
+            _generic_flips(b, failing, trial)
         return _summarise(b, failing)
     if failing.capture == "make_fx" and failing.compiled:
         alone = with_knobs(failing, backend=None)
@@ -123,7 +127,7 @@ def _user_flips(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, V
     allowed value, one at a time from the failing setting, in the order declared; the first flip that
     restores the flow is the culprit and its variant the verified fix. It stops there: each trial of a
     trainer's configuration may be a full compile (minutes with inductor)."""
-    from .variants import _spell, with_user_knobs
+    from ..variants import _spell, with_user_knobs
 
     for knob, (_default, allowed) in failing.user_knobs.items():
         current = failing.knob(knob)
@@ -139,8 +143,46 @@ def _user_flips(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, V
         b.irrelevant.append(knob)
 
 
+def _generic_flips(
+    b: Bisection, failing: VariantSpec, trial: Callable[[str, str, VariantSpec], bool]
+) -> None:
+    """A path whose own knobs (if any) do not restore the flow: flips that need no cooperation.
+
+    First the ``force_eager`` stance: if the flow comes back with compiled code off, the break is in
+    compilation; then the path is rebuilt with every ``torch.compile()`` its builder calls overridden
+    along the backend ladder, and the first rung that breaks is the culprit (the path's own backend
+    when every rung is fine). A builder that calls no ``torch.compile()`` cannot be overridden.
+    """
+    from .overrides import force_eager, with_backend
+
+    if not trial("stance", "compiled code off (force_eager stance)", force_eager(failing)):
+        b.stage = "python"
+        b.irrelevant.append("compilation")
+        return
+    b.stage = "compile"
+    last_good = None
+    for rung in LADDER:
+        calls = [0]
+        ok = trial("backend", f"backend → {rung} (override)", with_backend(failing, rung, calls))
+        if calls[0] == 0:
+            b.trials[-1]["result"] += "; not overridable: the builder called no torch.compile()"
+            b.not_overridable = True
+            return
+        if not ok:
+            b.culprit = {"knob": "backend", "change": f"backend {last_good or '(none)'} → {rung}",
+                         "backend": rung, "last_good": last_good, "ladder": True}  # fmt: skip
+            break
+        last_good = rung
+    else:
+        b.culprit = {"knob": "backend", "change": f"backend {last_good} → the path's own",
+                     "backend": "the path's own backend", "last_good": last_good, "ladder": True}  # fmt: skip
+    if last_good is not None:
+        variant = next(t["variant"] for t in b.trials if t["variant"].endswith(f"[backend={last_good}]"))
+        b.fix = {"variant": variant, "ok": True}
+
+
 def _knob_values(variant_name: str, knob: str) -> dict[str, Any]:
-    from .variants import parse_variant
+    from ..variants import parse_variant
 
     return {knob: parse_variant(variant_name).knob(knob)}
 
@@ -190,6 +232,18 @@ def _ladder(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, Varia
 
 def _summarise(b: Bisection, failing: VariantSpec) -> Bisection:
     parts = []
+    stance = next((t for t in b.trials if t["knob"] == "stance"), None)
+    if stance is not None:
+        parts.append(
+            "with compiled code off (force_eager) the flow is right: the break is in compilation"
+            if stance["ok"]
+            else "with compiled code off (force_eager) the flow is still broken: the break is in the path's "
+            "Python or its traced graph, not in compilation"
+        )
+    if b.not_overridable:
+        parts.append(
+            "the backend is not overridable: the path's builder called no torch.compile() (wrapped earlier)"
+        )
     capture = next((t for t in b.trials if t["knob"] == "capture"), None)
     if capture is not None:
         if b.stage == "compile":

@@ -1,0 +1,116 @@
+"""Failed checks are findings: a check that fails or cannot run is an error, and sets the exit code.
+
+* forces-not-conservative: the physics check finds forces that are not -dE/dx (or a broken sum
+  rule, or a virial off the strain derivative) and the ghost-force signature does not explain it;
+  located by the lineage of the energy path with the coordinates as sources (where the dependence on
+  the coordinates stops carrying gradient).
+* term-not-decreasing: the training check finds a term whose loss does not go down.
+* check-could-not-run: a check raised (the model cannot be copied, the step fails on a copy...).
+
+The checks run on the reference's code (``energy_fn``/``predict`` on the model): when they fail, the
+reference is the culprit, and ``flow-mismatch`` says so instead of blaming another path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..flowmap import Finding, FlowMap
+from .common import where
+from .ghost_force_slice import signature as ghost_signature
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    out: list[Finding] = []
+    for name in ("physics", "training", "balance", "shape_sweep"):
+        result = fm.checks.get(name)
+        if isinstance(result, dict) and result.get("error") and result.get("passed") is False:
+            out.append(_could_not_run(name, str(result["error"])))
+    physics = fm.checks.get("physics")
+    if (
+        physics
+        and not physics.get("passed", True)
+        and not physics.get("error")
+        and not ghost_signature(physics)
+    ):
+        out.append(_not_conservative(fm, physics))
+    training = fm.checks.get("training")
+    if training and not training.get("error"):
+        out.extend(_training(fm, training))
+    return out
+
+
+def _could_not_run(name: str, error: str) -> Finding:
+    return Finding(
+        "check-could-not-run",
+        "error",
+        f"the {name} check could not run: {error}",
+        evidence={"check": name, "error": error},
+        location={"check": name},
+        fix="the other measurements stand; fix what the message names (a model that cannot be deep-copied: "
+        "drop cached tensors or locks from its attributes) and run the check again",
+    )
+
+
+def _not_conservative(fm: FlowMap, physics: dict[str, Any]) -> Finding:
+    cuts = physics.get("cuts") or []
+    message = (
+        f"{fm.reference}: "
+        + "; ".join(physics.get("failures") or ["the physics check fails"])
+        + " — forces that are not minus the gradient of the energy do not train a potential"
+    )
+    if cuts:
+        c = cuts[0]
+        message += (
+            f"; the {c.get('path', 'energy')} path's dependence on the coordinates is cut by {c.get('kind')} at "
+            f"{where(c)}"
+        )
+    return Finding(
+        "forces-not-conservative",
+        "error",
+        message,
+        evidence={"physics": physics, "cuts": cuts, "variant": fm.reference},
+        location={**cuts[0], "check": "physics"} if cuts else {"check": "physics", "variant": fm.reference},
+        fix="compute forces as -autograd.grad(E, coordinates) of the very energy that is trained, with nothing "
+        "detached on the way from the coordinates to the energy; fold ghost-atom forces back with scatter_add",
+    )
+
+
+def _training(fm: FlowMap, training: dict[str, Any]) -> list[Finding]:
+    out = []
+    errors = training.get("errors") or {}
+    for variant, verdicts in (training.get("verdicts") or {}).items():
+        built_failed = variant in fm.variant_names and fm.variant(variant).error is not None
+        flat = {t: v for t, v in verdicts.items() if v in ("flat", "increases")}
+        if flat:
+            curves = training.get("curves", {}).get(variant, {})
+            detail = ", ".join(f"{t} {v} ({_ends(curves.get(t))})" for t, v in flat.items())
+            out.append(
+                Finding(
+                    "term-not-decreasing",
+                    "error",
+                    f"{variant}: in {training.get('steps')} {training.get('optimizer')} steps on a copy, {detail}: "
+                    "training on this term does not lower it",
+                    evidence={
+                        "variant": variant,
+                        "terms": list(flat),
+                        "curves": {t: curves.get(t) for t in flat},
+                        "runs": [[variant, f"{t} only"] for t in flat],
+                    },
+                    location={"variant": variant, "terms": list(flat)},
+                    fix="a flat term gets no useful gradient (see the flow findings above: a cut, a zero learning "
+                    "rate, a parameter outside the optimizer); a rising one has a sign or label error",
+                )
+            )
+        failed = {t: errors.get(variant, {}).get(t, "") for t, v in verdicts.items() if v == "error"}
+        if failed and not built_failed:
+            out.append(
+                _could_not_run(f"training ({variant})", "; ".join(f"{t}: {e}" for t, e in failed.items()))
+            )
+    return out
+
+
+def _ends(curve: list[float] | None) -> str:
+    if not curve:
+        return "no value"
+    return f"{curve[0]:.4g} → {curve[-1]:.4g}"

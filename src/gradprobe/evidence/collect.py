@@ -1,0 +1,273 @@
+"""Running the collectors inside a probe (``diagnose=True``), the same way for every variant.
+
+* lineage: one recorded step per path, all terms on (``lineage.record``, under ``force_eager``);
+* confirmations: finite differences for dependence that left torch (``confirm.confirm``);
+* bisection: of each variant that fails where the reference does not (or of a failing reference),
+  by its knobs, or for a path without knobs by the ``force_eager`` stance and backend overrides;
+* the op whose backward makes NaN, when a reference gradient is non-finite.
+
+Re-uses the probe's reference gradients and re-measures only one failing scenario per trial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..build import Built, VariantContext, build
+from ..compare import negligible, noise_floor, tolerance, verdict
+from ..measure import Measurement, per_scenario
+from ..scenarios import Scenario
+from ..spec import ProbeSpec
+from ..state import reseed
+from ..status import INF, NAN
+from ..step import make_weights
+from ..variants import VariantSpec
+from .bisect import bisect
+from .confirm import confirm
+from .lineage import PathLineage, merged, record
+
+TOTAL = "__total__"  # the lineage key of a path that returns its total loss only
+
+
+def mismatch(m: Measurement, ref: Measurement | None, rtol: float, numels: Sequence[int], dtype: str) -> bool:
+    """The run differs from the reference: an error where the reference ran, or any cell not matching
+    (below the noise floor both ways counts as a match)."""
+    if m.error is not None:
+        return ref is None or ref.error is None
+    if ref is None or ref.statuses is None or m.statuses is None or ref.norms is None or m.norms is None:
+        return False
+    floor = noise_floor(ref.norms, numels, dtype)
+    rel = m.rel_errors or [None] * len(m.statuses)
+    for r, s, e, rn, n, k in zip(ref.statuses, m.statuses, rel, ref.norms, m.norms, numels, strict=True):
+        noise = (negligible(r, rn, k, floor), negligible(s, n, k, floor))
+        if verdict(r, s, e, rtol, noise) != "match":
+            return True
+    return False
+
+
+def _terms_of(mode: str) -> Callable[[Any], Mapping[str, torch.Tensor]]:
+    def terms_of(result: Any) -> Mapping[str, torch.Tensor]:
+        if mode == "terms" and isinstance(result, Mapping):
+            return result
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping) and result[1]:
+            return result[1]
+        return {TOTAL: result[0] if isinstance(result, tuple) else result}
+
+    return terms_of
+
+
+def _path_call(
+    spec: ProbeSpec, model: torch.nn.Module, variant: VariantSpec, built: Built | None, mode: str,
+    terms: Sequence[str], batch: Any, like: torch.Tensor, on: Sequence[str] | None = None,
+) -> Callable[[], Any] | None:  # fmt: skip
+    """One step of the path with every term on (or those ``on``), as the probe runs it; None if it
+    cannot run."""
+    weights = make_weights(terms, terms if on is None else on, like)
+    if built is None:
+        if mode == "terms":
+            return lambda: spec.step(model, batch)
+        return lambda: spec.step(model, batch, weights)
+    if built.run is None:
+        return None
+    run = built.run
+    return lambda: run(batch, weights)
+
+
+def _label(variant: VariantSpec) -> str:
+    if variant.capture == "eager" and variant.backend is None:
+        return "the step as written, run eagerly"
+    if variant.capture == "make_fx" and variant.backend is None:
+        return "the traced graph, replayed op by op"
+    return (
+        "eager execution of the path's Python (compiled code off, force_eager stance); traced graphs "
+        "are replayed op by op: this is not the compiled measurement"
+    )
+
+
+def lineages(
+    spec: ProbeSpec, model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]], mode: str,
+    terms: Sequence[str], batch: Any, measured: Sequence[Any], builds: Mapping[str, Built],
+) -> dict[str, PathLineage]:  # fmt: skip
+    """One recorded step per variant."""
+    out: dict[str, PathLineage] = {}
+    like = named[0][1]
+    for x in measured:
+        built = builds.get(x.info.name)
+        call = _path_call(spec, model, x.variant, built, mode, terms, batch, like)
+        if call is None:
+            continue
+        reseed(spec.seed)
+        lin = record(model, named, call, _label(x.variant), _terms_of(mode))
+        if list(lin.terms) == [TOTAL] and len(terms) > 1:
+            # The path returns only its total: one recording per term, that term's weight on and the
+            # others 0 (a product with an exact zero carries no dependence).
+            parts = {}
+            for term in terms:
+                call = _path_call(spec, model, x.variant, built, mode, terms, batch, like, on=[term])
+                reseed(spec.seed)
+                parts[term] = record(model, named, call, _label(x.variant), _terms_of(mode))  # type: ignore[arg-type]
+            lin = merged(
+                parts, _label(x.variant) + "; one recording per term (the path returns its total only)"
+            )
+        out[x.info.name] = lin
+    return out
+
+
+def _alone(scenarios: Sequence[Scenario]) -> dict[str, str]:
+    """term -> the scenario that switches on that term alone."""
+    return {s.terms[0]: s.name for s in scenarios if len(s.terms) == 1}
+
+
+def unreached(m: Measurement | None, names: Sequence[str]) -> set[str]:
+    """Parameters with no gradient or an exact zero in a run; every parameter when the run had no
+    gradient path at all; nothing when it failed otherwise (no evidence)."""
+    if m is None:
+        return set()
+    if m.error is not None:
+        return set(names) if m.error.type == "NoGradPath" else set()
+    return {n for n, st in zip(names, m.statuses or [], strict=False) if st in ("none", "zero")}
+
+
+def confirmations(
+    spec: ProbeSpec, model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]], mode: str,
+    terms: Sequence[str], scenarios: Sequence[Scenario], batch: Any, measured: Sequence[Any],
+    builds: Mapping[str, Built], found: Mapping[str, PathLineage],
+) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """Finite differences for each leaving site (``.item()``, NumPy...) whose parameters a term does
+    not reach by gradient: does the term's value move with them?"""
+    names = [n for n, _ in named]
+    params = dict(named)
+    alone = _alone(scenarios)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for x in measured:
+        lin = found.get(x.info.name)
+        if lin is None or lin.error is not None:
+            continue
+        results = {m.scenario: m for m in x.results}
+        candidates = []
+        for site in lin.sites:
+            if not site.leaving:
+                continue
+            suspects: dict[str, None] = {}
+            cut_terms = []
+            for term, tl in lin.terms.items():
+                m = results.get(alone.get(term, "")) if term != TOTAL else _all_run(results, scenarios)
+                missing = unreached(m, names) - set(tl.carries)
+                hit = [p for p in site.parameters if p in missing]
+                if hit:
+                    cut_terms.append(term)
+                    suspects.update(dict.fromkeys(hit))
+            if cut_terms:
+                candidates.append((str(site.id), list(suspects), cut_terms))
+        if not candidates:
+            continue
+        call = _path_call(spec, model, x.variant, builds.get(x.info.name), mode, terms, batch, named[0][1])
+        if call is None:
+            continue
+        try:
+            out[x.info.name] = confirm(_term_values(call, mode, spec.seed), params, candidates, spec.seed)
+        except Exception as e:  # best effort: the lineage stands, unconfirmed
+            out[x.info.name] = [{"error": f"{type(e).__name__}: {e}"[:300]}]
+    return out
+
+
+def _term_values(call: Callable[[], Any], mode: str, seed: int) -> Callable[[], dict[str, float]]:
+    """The path's term values as floats, each call reseeded and run with compiled code off (the same
+    Python the lineage saw)."""
+    terms_of = _terms_of(mode)
+
+    def values() -> dict[str, float]:
+        reseed(seed)
+        with torch.compiler.set_stance("force_eager"):
+            got = terms_of(call())
+        return {t: float(v.detach().double()) for t, v in got.items() if isinstance(v, torch.Tensor)}
+
+    return values
+
+
+def _all_run(results: Mapping[str, Measurement], scenarios: Sequence[Scenario]) -> Measurement | None:
+    widest = max(scenarios, key=lambda s: len(s.terms), default=None)
+    return results.get(widest.name) if widest is not None else None
+
+
+def bisect_failing(
+    spec: ProbeSpec,
+    model: torch.nn.Module,
+    params: list[torch.Tensor],
+    mode: str,
+    terms: list[str],
+    scenarios: Sequence[Scenario],
+    batch: Any,
+    measured: Sequence[Any],
+    ref_results: Mapping[str, Measurement],
+    ref_name: str,
+    dtype: str,
+    model_training: bool,
+) -> list[dict[str, Any]]:
+    """One bisection per variant that fails where the reference does not (or per failing reference)."""
+    by_name = {s.name: s for s in scenarios}
+    numels = [p.numel() for p in params]
+    out = []
+    for x in measured:
+        rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
+        is_ref = x.info.name == ref_name
+        if is_ref:
+            failing = [m.scenario for m in x.results if m.error is not None]
+        else:
+            failing = [
+                m.scenario for m in x.results if mismatch(m, ref_results.get(m.scenario), rtol, numels, dtype)
+            ]
+        if not failing:
+            continue
+        subset = [by_name[failing[0]]]  # one failing scenario re-measured per trial
+
+        def check(v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref) -> tuple[bool, str]:
+            ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
+            built = build(v, ctx)
+            if built.error is not None:
+                return False, f"{built.error.stage} failed: {built.error.message}"
+            results = per_scenario(
+                lambda w, run=built.run: run(batch, w),  # type: ignore[misc]
+                params, subset, terms, spec.seed,
+                reference=None if is_ref else ref_results, counter=built.counter,
+            )  # fmt: skip
+            m = results[0]
+            if m.error is not None:
+                return False, f"{m.error.stage}: {m.error.message}"
+            reached = sum(st == "nonzero" for st in m.statuses or [])
+            if is_ref:
+                # Nothing to compare with: the flow is restored when the run works and reaches something.
+                return reached > 0, f"{reached} reached, no error"
+            bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
+                           numels, dtype)  # fmt: skip
+            return not bad, f"{reached} reached" + (
+                ", differs from the reference" if bad else ", matches the reference"
+            )
+
+        out.append(bisect(x.variant, failing[:1], check, model_training).to_dict())
+    return out
+
+
+def locate_nonfinite(
+    spec: ProbeSpec, model: torch.nn.Module, mode: str, terms: list[str], batch: Any,
+    ref_results: Mapping[str, Measurement],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The first op whose backward produces NaN/Inf, when a reference gradient is non-finite."""
+    from .locate import locate_nonfinite_backward
+
+    nonfinite = [
+        s
+        for s, m in ref_results.items()
+        if m.statuses is not None and any(st in (NAN, INF) for st in m.statuses)
+    ]
+    if not nonfinite or mode != "terms":
+        return []
+    term = next((t for t in terms if f"{t} only" in nonfinite), terms[0])
+    try:
+        found = locate_nonfinite_backward(model, lambda: spec.step(model, batch), term)
+    except Exception:
+        return []
+    return [found.to_dict()] if found is not None else []

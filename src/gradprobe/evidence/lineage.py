@@ -1,0 +1,719 @@
+"""Lineage: which parameters each term's value depends on, and where that dependence stops carrying
+gradient.
+
+One step of an execution path runs under a ``TorchDispatchMode`` (every aten op, the backward ops of an
+``autograd.grad`` inside the step included) and a ``TorchFunctionMode`` (the Python-level call each aten
+op belongs to: a user's ``.detach()`` versus autograd's own detach of a saved tensor; ``.tolist()`` and
+``.numpy()``, which reach no aten op). Every tensor gets three bitmasks:
+
+* *value*: the parameters its values depend on;
+* *grad*: the parameters whose gradient can flow back through it;
+* *sites*: the cut sites in its history.
+
+A **cut site** is where value dependence goes on but gradient does not: ``detach`` / ``.data``, an op
+run with grad mode off or in inference mode, an integer cast, ``autograd.grad`` without
+``create_graph``, a leaf re-created from data (``torch.tensor(x.tolist())``, matched by value), a
+constant frozen into a traced graph. Dependence that leaves torch as a Python number or a NumPy array
+(``.item()``, ``float()``, ``.tolist()``, ``.numpy()``) cannot be followed; those sites are *leaving*
+sites, confirmed per term by finite differences (``evidence.confirm``). Masks, comparisons, argmax and
+index tensors are not cuts: non-floating outputs of anything but a cast carry no lineage.
+
+A dispatch mode does not see inside compiled code, and dynamo skips (and keeps skipping) a compiled
+frame under a dispatch mode. A path is therefore recorded under ``torch.compiler.set_stance("force_eager")``:
+what is recorded is the eager execution of the path's Python, never the compiled measurement. FX graph
+replays (a ``make_fx`` trace) are seen op by op and named by graph node, with the user's line when the
+trace kept stack traces.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import functools
+import inspect
+import linecache
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .graphlint import user_frame
+
+# Kinds of cut site.
+DETACH, DATA, NO_GRAD, INFERENCE = "detach", "data", "no_grad", "inference_mode"
+INT_CAST, BAKED, NONFINITE = "int_cast", "baked_constant", "nonfinite"
+NO_CREATE_GRAPH, UNUSED_INPUT = "autograd_grad_no_create_graph", "autograd_grad_unused_input"
+ITEM, FLOAT, TOLIST, NUMPY = "item", "float", "tolist", "numpy"
+LEAVING = (ITEM, FLOAT, TOLIST, NUMPY)
+KINDS = (
+    DETACH,
+    DATA,
+    NO_GRAD,
+    INFERENCE,
+    INT_CAST,
+    BAKED,
+    NONFINITE,
+    NO_CREATE_GRAPH,
+    UNUSED_INPUT,
+    *LEAVING,
+)
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ZOO_DIR = os.path.join(_OWN_DIR, "zoo") + os.sep
+_FX_CODE = "<eval_with_key>"
+_FX_LINE = re.compile(r"^\s*(\w+)\s*=")
+
+# aten ops whose outputs do not depend on their inputs' values (shapes only, or fresh values).
+_FRESH = frozenset(
+    {
+        "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+        "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "empty_strided",
+        "scalar_tensor", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+    }
+)  # fmt: skip
+_CASTS = frozenset({"_to_copy", "to", "_to_dtype", "copy", "type_as", "view_as_real"})
+_LIFT = frozenset({"lift_fresh", "lift_fresh_copy"})
+_PY_DETACH = {"detach": DETACH, "detach_": DETACH, "data": DATA}
+_ZERO = (0, 0, 0)
+
+
+@dataclass(frozen=True)
+class CutSite:
+    """One place where a tensor that depends on parameters stops carrying their gradient."""
+
+    id: int
+    kind: str
+    op: str
+    module: str  # innermost running module of the model ("" = the root)
+    module_type: str
+    file: str
+    line: int
+    code: str
+    parameters: tuple[str, ...]  # whose gradient-carrying dependence enters the site
+    container: str = "python"  # python | fx (a replayed FX graph: node names it)
+    node: str | None = None
+    detail: str = ""
+    feeds_backward: bool = False  # an FX-replay tensor from this site is used by a *_backward op
+
+    @property
+    def leaving(self) -> bool:
+        return self.kind in LEAVING
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "parameters": list(self.parameters)}
+
+
+@dataclass
+class TermLineage:
+    """What one term's value depends on: parameters by value, those that carry gradient, cut sites."""
+
+    depends_on: tuple[str, ...]
+    carries: tuple[str, ...]
+    sites: tuple[int, ...]
+
+    @property
+    def cut(self) -> tuple[str, ...]:
+        """Parameters the value depends on without gradient: cut somewhere on the way."""
+        carried = set(self.carries)
+        return tuple(p for p in self.depends_on if p not in carried)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "depends_on": list(self.depends_on),
+            "carries": list(self.carries),
+            "cut": list(self.cut),
+            "sites": list(self.sites),
+        }
+
+
+@dataclass
+class PathLineage:
+    """The lineage of one path's step: per term (or ``"__total__"`` when the path returns no terms)."""
+
+    label: str
+    terms: dict[str, TermLineage] = field(default_factory=dict)
+    sites: list[CutSite] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+    ops: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "terms": {t: x.to_dict() for t, x in self.terms.items()},
+            "sites": [s.to_dict() for s in self.sites],
+            "error": self.error,
+            "seconds": self.seconds,
+            "ops": self.ops,
+        }
+
+
+def _walk(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _walk(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _walk(item)
+    else:
+        yield obj
+
+
+def tensors_in(obj: Any) -> list[Tensor]:
+    return [t for t in _walk(obj) if isinstance(t, Tensor)]
+
+
+def _floating(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+@functools.cache
+def is_user_file(path: str) -> bool:
+    """User code: outside torch and gradprobe, except the zoo (reference models written like user code)."""
+    if path.startswith(_FX_CODE):
+        return True
+    path = os.path.abspath(path)
+    return path.startswith(_ZOO_DIR) or not path.startswith((_TORCH_DIR, _OWN_DIR))
+
+
+class _Site:
+    """A cut site while it is being recorded: widened by every later pass of the same place."""
+
+    __slots__ = ("at", "bits", "detail", "feeds_backward", "id", "kind", "op")
+
+    def __init__(self, sid: int, kind: str, op: str, at: dict[str, Any], detail: str) -> None:
+        self.id, self.kind, self.op, self.at, self.detail = sid, kind, op, at, detail
+        self.bits = 0
+        self.feeds_backward = False
+
+    def frozen(self, names_of: Callable[[int], tuple[str, ...]]) -> CutSite:
+        at = self.at
+        return CutSite(
+            self.id, self.kind, self.op, at["module"], at["module_type"], at["file"], at["line"], at["code"],
+            names_of(self.bits), at.get("container", "python"), at.get("node"), self.detail, self.feeds_backward,
+        )  # fmt: skip
+
+
+class _Recorder:
+    """The shared state of the two modes: lineage per tensor, running modules, cut sites."""
+
+    def __init__(
+        self, model: nn.Module, sources: Sequence[tuple[str, Tensor]], *, check_nonfinite: bool = False,
+        map_lines: bool = False,
+    ) -> None:  # fmt: skip
+        self.names = [n for n, _ in sources]
+        # check_nonfinite: name each op that makes NaN/Inf from finite inputs (one host sync per op).
+        # map_lines: (file, line) -> (first module seen there, all parameters its ops depended on).
+        self.check_nonfinite, self.map_lines = check_nonfinite, map_lines
+        self.line_info: dict[tuple[str, int], tuple[str, str, int]] = {}
+        # tensor -> (value bits, grad bits, site bits); by identity (a tensor's __eq__ is elementwise)
+        self.lin: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.frozen = 0  # sources that can never receive a gradient (requires_grad=False)
+        for i, (_, t) in enumerate(sources):
+            # A frozen source carries its values on, but no gradient can reach it.
+            self.lin[t] = (1 << i, (1 << i) if t.requires_grad else 0, 0)
+            self.frozen |= 0 if t.requires_grad else 1 << i
+        self.module_names = {m: n for n, m in model.named_modules()}
+        self.stack: list[nn.Module] = []
+        self.python_cut: list[str | None] = []  # the Python-level call in progress asks for a cut
+        self.python_op: list[str] = []
+        self.grad_calls: list[tuple[bool, nn.Module | None]] = []  # autograd.grad calls in progress
+        self.sites: list[_Site] = []
+        self.by_place: dict[tuple[Any, ...], _Site] = {}
+        self.leaving: list[tuple[_Site, Any]] = []  # value that left torch: float, or a CPU copy
+        self.ops = 0
+        self.node_cache: dict[int, dict[str, torch.fx.Node]] = {}
+
+    # ----- where ---------------------------------------------------------------------------------
+
+    def where(self, grad_off: bool = False) -> dict[str, Any]:
+        """Innermost model module and user frame; for an FX replay the graph node (and its user line).
+
+        ``grad_off``: the cut is an op run with grad mode off; the place to name is the line inside
+        the ``with torch.no_grad()`` / ``inference_mode()`` block (or the decorated function) that
+        the user wrote, which may be a caller of the frame where the op ran (the model's own code).
+        """
+        mod = self.stack[-1] if self.stack else None
+        module, mtype = (self.module_names[mod], type(mod).__name__) if mod is not None else ("", "")
+        frame = sys._getframe(1)
+        while frame is not None and not is_user_file(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:
+            return {"module": module, "module_type": mtype, "file": "", "line": 0, "code": ""}
+        file, line = frame.f_code.co_filename, frame.f_lineno
+        if file.startswith(_FX_CODE):
+            return self._fx_where(frame, module, mtype)
+        if grad_off:
+            opened = _grad_off_frame(frame)
+            if opened is not None and opened is not frame:
+                ran = f"the op ran in {module or 'the root module'} at {os.path.basename(file)}:{line}"
+                file, line = opened.f_code.co_filename, opened.f_lineno
+                return {"module": "", "module_type": "", "file": file, "line": line,
+                        "code": linecache.getline(file, line).strip(), "ran": ran}  # fmt: skip
+        code = linecache.getline(file, line).strip()
+        return {"module": module, "module_type": mtype, "file": file, "line": line, "code": code}
+
+    def _fx_where(self, frame: Any, module: str, mtype: str) -> dict[str, Any]:
+        code = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        match = _FX_LINE.match(code)
+        node_name = match.group(1) if match else None
+        gm = frame.f_locals.get("self")
+        node = None
+        if node_name is not None and isinstance(gm, torch.fx.GraphModule):
+            nodes = self.node_cache.get(id(gm))
+            if nodes is None:
+                nodes = self.node_cache[id(gm)] = {n.name: n for n in gm.graph.nodes}
+            node = nodes.get(node_name)
+        out: dict[str, Any] = {
+            "module": module, "module_type": mtype, "file": "", "line": 0, "code": code.strip(),
+            "container": "fx", "node": node_name,
+        }  # fmt: skip
+        if node is not None:
+            user = user_frame(node.meta.get("stack_trace"))
+            if user is not None:
+                out.update(file=user["file"], line=user["line"], code=user["code"])
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                path, cls = list(stack.values())[-1]
+                out["module"] = str(path)
+                out["module_type"] = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].strip("'>"))
+        return out
+
+    # ----- bookkeeping ---------------------------------------------------------------------------
+
+    def of(self, tensors: Iterable[Tensor]) -> tuple[int, int, int]:
+        v = g = s = 0
+        for t in tensors:
+            a, b, c = self.lin.get(t, _ZERO)
+            v, g, s = v | a, g | b, s | c
+        return v, g, s
+
+    def site(self, kind: str, op: str, bits: int, detail: str = "", value: int = 0) -> _Site:
+        """The cut site at the current place (created, or widened by ``bits``, plus the frozen sources
+        among ``value``: they can never carry gradient, but the values cut there depend on them)."""
+        bits |= value & self.frozen
+        at = self.where(grad_off=kind in (NO_GRAD, INFERENCE))
+        if at.get("ran"):
+            detail = f"{detail}; {at['ran']}" if detail else at["ran"]
+        key = (kind, at["file"], at["line"], at.get("node"))
+        site = self.by_place.get(key)
+        if site is None:
+            site = self.by_place[key] = _Site(len(self.sites), kind, op, at, detail)
+            self.sites.append(site)
+        site.bits |= bits
+        return site
+
+    def names_of(self, bits: int) -> tuple[str, ...]:
+        return tuple(n for i, n in enumerate(self.names) if bits >> i & 1)
+
+    def lineage_of(self, value: Any) -> TermLineage:
+        v, g, s = self.of([value]) if isinstance(value, Tensor) else _ZERO
+        return TermLineage(
+            self.names_of(v), self.names_of(g), tuple(x.id for x in self.sites if s >> x.id & 1)
+        )
+
+    def cut_sites(self) -> list[CutSite]:
+        return [x.frozen(self.names_of) for x in self.sites]
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if module in self.module_names:
+            self.stack.append(module)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if any(m is module for m in self.stack):  # pops through it, so an exception cannot skew the stack
+            while self.stack.pop() is not module:
+                pass
+
+
+class _Ops(TorchDispatchMode):
+    """Propagates lineage through every aten op and records where gradient stops."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+        self._func_name: Any = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        rec = self.rec
+        kwargs = kwargs or {}
+        rec.ops += 1
+        self._func_name = func
+        name = func.overloadpacket.__name__
+        flat = list(_walk((args, kwargs)))
+        ins = [t for t in flat if isinstance(t, Tensor)]
+        v, g, s = rec.of(ins)
+        if rec.leaving and name not in _FRESH:
+            v, s = self._python_numbers(flat, v, s)
+        grad_on = torch.is_grad_enabled()
+        inference = torch.is_inference_mode_enabled()
+        out = func(*args, **kwargs)
+        if rec.map_lines:
+            at = rec.where()
+            first, ftype, bits = rec.line_info.get(
+                (at["file"], at["line"]), (at["module"], at["module_type"], 0)
+            )
+            rec.line_info[at["file"], at["line"]] = (first, ftype, bits | v)
+        if rec.check_nonfinite and v:
+            self._nonfinite(out, ins, flat, v)
+        if name == "_local_scalar_dense":
+            if v:
+                kind = FLOAT if rec.python_op and rec.python_op[-1] == "Tensor.__float__" else ITEM
+                site = rec.site(kind, _python_name(rec, func), g or v, "leaves torch as a Python number", v)
+                rec.leaving.append((site, out))
+            return out
+        if name in _LIFT:
+            self._lifted(out, name)
+            return out
+        if name in _FRESH or not (v or s):
+            return out
+        if name == "mul" and self._times_zero(flat, ins):
+            return out  # x * 0 depends on nothing (a switched-off term's weight, a find_* flag of 0)
+        if name.endswith("_backward") and s:
+            for site in rec.sites:
+                if s >> site.id & 1 and site.at.get("container") == "fx" and site.kind in (DETACH, DATA):
+                    site.feeds_backward = True
+        kind = None
+        if name == "detach":
+            kind = rec.python_cut[-1] if rec.python_cut else None
+            if kind is not None:
+                rec.python_cut[-1] = None  # consumed: autograd's own detaches inside it stay aliases
+        elif g and (not grad_on or inference):
+            kind = self._no_grad_kind(inference)
+        op = "torch.autograd.grad" if kind == NO_CREATE_GRAPH else _python_name(rec, func)
+        written = [
+            a for a, arg in zip(args, func._schema.arguments, strict=False)
+            if isinstance(a, Tensor) and arg.alias_info is not None and arg.alias_info.is_write
+        ]  # fmt: skip
+        for t in written:
+            # Written in place: it now holds values of every input; gradient still reaches it as it
+            # did (a leaf clamped under no_grad still gets its gradient), plus the inputs' when grad is on.
+            own = rec.lin.get(t, _ZERO)
+            if kind is not None and g & ~own[1]:
+                site = rec.site(kind, op, g & ~own[1], self._detail(kind), v)
+                rec.lin[t] = (v, own[1], s | (1 << site.id))
+            else:
+                rec.lin[t] = (v, own[1] if kind is not None else g, s)
+        float_in = [t for t in ins if _floating(t)]
+        for t in tensors_in(out):
+            if any(t is w for w in written):
+                continue
+            if _floating(t):
+                if kind is not None and g:
+                    site = rec.site(kind, op, g, self._detail(kind), v)
+                    rec.lin[t] = (v, 0, s | (1 << site.id))
+                else:
+                    rec.lin[t] = (v, 0 if kind is not None else g, s)
+            elif name in _CASTS and float_in:
+                fv, fg, _ = rec.of(float_in)
+                if fg:
+                    site = rec.site(INT_CAST, _python_name(rec, func), fg, f"cast to {t.dtype}", fv)
+                    rec.lin[t] = (v, 0, s | (1 << site.id))
+                elif fv:
+                    rec.lin[t] = (v, 0, s)
+            else:
+                # Comparisons, argmax, indices: not a cut. Only integer lineage (from a cast) flows on.
+                iv, _, i_s = rec.of(x for x in ins if not _floating(x))
+                if iv:
+                    rec.lin[t] = (iv, 0, i_s)
+        return out
+
+    def _nonfinite(self, out: Any, ins: list[Tensor], flat: list[Any], v: int) -> None:
+        # A deliberate inf/NaN argument (masked_fill(mask, -inf)) is not an accident to report.
+        if any(isinstance(x, float) and not math.isfinite(x) for x in flat):
+            return
+        floats = [t for t in tensors_in(out) if _floating(t)]
+        if floats and not _all_finite(floats) and _all_finite(ins):
+            op = self._func_name
+            detail = "NaN/Inf made from finite inputs" + (f" ({op})" if self.rec.python_op else "")
+            self.rec.site(NONFINITE, _python_name(self.rec, op), v, detail)
+
+    def _times_zero(self, flat: list[Any], ins: list[Tensor]) -> bool:
+        """An operand is an exact scalar zero with no lineage of its own (one host sync per such scalar)."""
+        if any(type(x) in (int, float) and x == 0 for x in flat):
+            return True
+        for t in ins:
+            if t.numel() == 1 and _floating(t) and self.rec.lin.get(t, _ZERO)[0] == 0:
+                try:
+                    if bool(t.detach().reshape(()) == 0):
+                        return True
+                except RuntimeError:  # meta / fake tensors: cannot tell
+                    return False
+        return False
+
+    def _no_grad_kind(self, inference: bool) -> str:
+        rec = self.rec
+        if rec.grad_calls and not rec.grad_calls[-1][0]:
+            return NO_CREATE_GRAPH
+        return INFERENCE if inference else NO_GRAD
+
+    def _detail(self, kind: str) -> str:
+        if kind != NO_CREATE_GRAPH:
+            return ""
+        module = self.rec.grad_calls[-1][1]
+        eval_mode = module is not None and not module.training
+        return "create_graph=False" + (
+            " while the module is in eval mode (self.training=False)" if eval_mode else ""
+        )
+
+    def _python_numbers(self, flat: list[Any], v: int, s: int) -> tuple[int, int]:
+        """A Python number from ``.item()`` / ``float()`` passed to an op: connected by its value."""
+        for x in flat:
+            if type(x) is float:
+                for site, value in self.rec.leaving:
+                    if type(value) is float and value == x:
+                        s |= 1 << site.id
+                        v |= site.bits
+        return v, s
+
+    def _lifted(self, out: Any, name: str) -> None:
+        """A tensor made from Python data: a constant frozen into an FX graph, or a re-created leaf
+        whose values match a tensor that left torch (``torch.tensor(x.tolist())``)."""
+        rec = self.rec
+        if rec.where().get("container") == "fx":
+            site = rec.site(BAKED, name, 0, "a value frozen into the traced graph at trace time")
+            for t in tensors_in(out):
+                rec.lin[t] = (0, 0, 1 << site.id)
+            return
+        for t in tensors_in(out):
+            for left, value in rec.leaving:
+                if isinstance(value, Tensor) and _same_values(t, value):
+                    rec.lin[t] = (left.bits, 0, 1 << left.id)
+                    break
+
+
+def _all_finite(tensors: Iterable[Tensor]) -> bool:
+    try:
+        return all(bool(torch.isfinite(t).all()) for t in tensors if _floating(t))
+    except (RuntimeError, NotImplementedError):  # meta, sparse, ... tensors: cannot tell, assume finite
+        return True
+
+
+_GRAD_OFF = ("no_grad", "inference_mode", "set_grad_enabled(False)", "enable_grad(False)")
+
+
+@functools.cache
+def _grad_off_spans(file: str) -> tuple[tuple[int, int], ...]:
+    """Line spans of ``with torch.no_grad():``-like blocks and of functions decorated so, in a file."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(file)))
+    except (SyntaxError, ValueError):
+        return ()
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            heads = [ast.unparse(item.context_expr) for item in node.items]
+            body = node.body
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            heads = [ast.unparse(d) for d in node.decorator_list]
+            body = node.body
+        else:
+            continue
+        if body and any(any(k in h for k in _GRAD_OFF) for h in heads):
+            spans.append((body[0].lineno, max(getattr(b, "end_lineno", b.lineno) or b.lineno for b in body)))
+    return tuple(spans)
+
+
+def _grad_off_frame(frame: Any) -> Any:
+    """The innermost user frame whose current line lies inside a block that turns grad mode off."""
+    while frame is not None:
+        file = frame.f_code.co_filename
+        user = is_user_file(file) and not file.startswith(_FX_CODE)
+        if user and any(a <= frame.f_lineno <= b for a, b in _grad_off_spans(file)):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _same_values(t: Tensor, value: Tensor) -> bool:
+    if t.numel() != value.numel() or t.numel() == 0:
+        return False
+    try:
+        return bool(torch.equal(t.detach().reshape(-1).to("cpu", value.dtype), value.reshape(-1)))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _python_name(rec: _Recorder, func: Any) -> str:
+    """The op as the user wrote it when a Python-level call is in progress, else the aten op."""
+    return rec.python_op[-1] if rec.python_op else str(func)
+
+
+class _Calls(TorchFunctionMode):
+    """The Python-level call each aten op belongs to; ``.tolist()``/``.numpy()``; ``autograd.grad``."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+        self.grad_sig = inspect.signature(torch.autograd.grad)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        rec = self.rec
+        if func is torch.autograd.grad:
+            return self._grad(args, kwargs)
+        op = _op_name(func)
+        base = op.rsplit(".", 1)[-1]
+        cut = _PY_DETACH.get(base) if op.startswith("torch.Tensor.") else None
+        if op == "aten.detach.default":  # a replayed FX graph's detach node
+            cut = DETACH
+        rec.python_cut.append(cut)
+        rec.python_op.append(op.removeprefix("torch.") if op.startswith("torch.Tensor.") else op)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            rec.python_cut.pop()
+            rec.python_op.pop()
+        if (
+            base in (TOLIST, NUMPY)
+            and op.startswith("torch.Tensor.")
+            and args
+            and isinstance(args[0], Tensor)
+        ):
+            v, g, _ = rec.of(args[:1])
+            if v:
+                what = "a Python list" if base == TOLIST else "a NumPy array"
+                site = rec.site(base, op.removeprefix("torch."), g or v, f"leaves torch as {what}")
+                src = args[0].detach()
+                rec.leaving.append((site, src.to("cpu").clone() if src.numel() <= 1 << 20 else src[:0]))
+        return out
+
+    def _grad(self, args: Any, kwargs: Any) -> Any:
+        rec = self.rec
+        bound = self.grad_sig.bind(*args, **kwargs)
+        outputs = tensors_in(bound.arguments.get("outputs"))
+        inputs = tensors_in(bound.arguments.get("inputs"))
+        create_graph = bool(bound.arguments.get("create_graph", False))
+        rec.grad_calls.append((create_graph, rec.stack[-1] if rec.stack else None))
+        rec.python_op.append("torch.autograd.grad")  # the backward's ops belong to this call
+        _, g, _ = rec.of(outputs)
+        try:
+            result = torch.autograd.grad(*args, **kwargs)
+        except RuntimeError as err:
+            if g and "appears to not have been used in the graph" in str(err):
+                rec.site(
+                    UNUSED_INPUT,
+                    "torch.autograd.grad",
+                    g,
+                    "an input is not used by the differentiated outputs",
+                )
+            raise
+        finally:
+            rec.grad_calls.pop()
+            rec.python_op.pop()
+        if g and inputs and any(r is None for r in _walk(result)):
+            rec.site(
+                UNUSED_INPUT,
+                "torch.autograd.grad",
+                g,
+                "a gradient is None: the outputs do not use that input",
+            )
+        return result
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    name = resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
+    return name.removesuffix(".__get__")  # property getters such as Tensor.data
+
+
+@contextlib.contextmanager
+def recording(
+    model: nn.Module, sources: Sequence[tuple[str, Tensor]], *, check_nonfinite: bool = False,
+    map_lines: bool = False,
+) -> Iterator[_Recorder]:  # fmt: skip
+    """The recorder, active for the body; everything it installed is removed on exit, also on error.
+    ``recorder.lineage_of(tensor)`` and ``recorder.cut_sites()`` read what it saw."""
+    rec = _Recorder(model, sources, check_nonfinite=check_nonfinite, map_lines=map_lines)
+    with _instrumented(rec):
+        yield rec
+
+
+@contextlib.contextmanager
+def _instrumented(rec: _Recorder) -> Iterator[None]:
+    with contextlib.ExitStack() as undo:  # every step is undone, in reverse, whatever happens
+        undo.callback(register_module_forward_pre_hook(rec.enter).remove)
+        undo.callback(register_module_forward_hook(rec.leave, always_call=True).remove)
+        # force_eager: compiled functions inside the path run their Python, and dynamo leaves no
+        # skip mark on them (a dispatch mode alone would make dynamo skip them until reset()).
+        undo.enter_context(torch.compiler.set_stance("force_eager"))
+        # A compiled module called under our global hooks warns that they fire twice: harmless here
+        # (the hooks only track which module runs), and not the user's concern.
+        undo.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+        undo.enter_context(_Calls(rec))
+        undo.enter_context(_Ops(rec))
+        yield
+
+
+def merged(parts: Mapping[str, PathLineage], label: str) -> PathLineage:
+    """One lineage from several recordings of the same path (one per term, for a path that returns
+    only its total): each term's lineage from its own recording, cut sites merged by place."""
+    out = PathLineage(label)
+    ids: dict[tuple[Any, ...], int] = {}
+    sites: list[CutSite] = []
+    for term, part in parts.items():
+        remap = {}
+        for site in part.sites:
+            key = (site.kind, site.file, site.line, site.node)
+            if key not in ids:
+                ids[key] = len(sites)
+                sites.append(dataclasses.replace(site, id=len(sites)))
+            else:
+                old = sites[ids[key]]
+                wider = tuple(dict.fromkeys(old.parameters + site.parameters))
+                sites[ids[key]] = dataclasses.replace(
+                    old, parameters=wider, feeds_backward=old.feeds_backward or site.feeds_backward
+                )
+            remap[site.id] = ids[key]
+        if part.error is not None and out.error is None:
+            out.error = part.error
+        for t, tl in part.terms.items():
+            out.terms[term if t == "__total__" else t] = TermLineage(
+                tl.depends_on, tl.carries, tuple(remap[i] for i in tl.sites)
+            )
+        out.seconds += part.seconds
+        out.ops += part.ops
+    out.sites = sites
+    return out
+
+
+def record(
+    model: nn.Module,
+    sources: Sequence[tuple[str, Tensor]],
+    call: Callable[[], Any],
+    label: str,
+    terms_of: Callable[[Any], Mapping[str, Tensor]],
+) -> PathLineage:
+    """Run ``call()`` once under the recorder; ``terms_of(result)`` picks the term tensors.
+
+    ``sources`` are the tensors whose influence is traced (the trainable parameters, by name). The
+    recorder never raises for the path: an exception is returned as ``error`` with what was seen.
+    """
+    rec = _Recorder(model, sources)
+    start = time.perf_counter()
+    out = PathLineage(label)
+    try:
+        with _instrumented(rec):
+            result = call()
+        for term, value in terms_of(result).items():
+            out.terms[term] = rec.lineage_of(value)
+    except Exception as e:  # the measurement stands without lineage: a recorded failure
+        text = str(e).strip()
+        out.error = f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    out.sites = rec.cut_sites()
+    out.seconds = time.perf_counter() - start
+    out.ops = rec.ops
+    return out
