@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .build import VariantContext, build
-from .compare import consistency_tolerance, negligible, noise_floor
+from .compare import consistency_tolerance, noise_pairs
 from .errors import SpecError
 from .measure import run_error
 from .optim import fresh_optimizer
@@ -62,12 +62,12 @@ def consistency_report(
             ref = reference.get(m.scenario)
             if m.error is not None or ref is None or ref.error is not None:
                 continue
-            floor = noise_floor(ref.norms or [], numels, dtype) if ref.norms else 0.0
+            noise = _noise(m, ref, numels, dtype)
             for i, (name, e) in enumerate(zip(names, m.excess or [], strict=False)):
                 if e is None:
                     continue
                 checked += 1
-                if not e <= atol and not _both_noise(m, ref, i, numels[i], floor):
+                if not e <= atol and not (noise is not None and all(noise[i])):
                     failed.append({"scenario": m.scenario, "parameter": name, "excess": e})
             for t, v in m.term_values.items():
                 r = ref.term_values.get(t)
@@ -86,12 +86,10 @@ def consistency_report(
     return out
 
 
-def _both_noise(m: Any, ref: Any, i: int, numel: int, floor: float) -> bool:
-    if floor <= 0 or not m.statuses or not ref.statuses or not m.norms or not ref.norms:
-        return False
-    return negligible(ref.statuses[i], ref.norms[i], numel, floor) and negligible(
-        m.statuses[i], m.norms[i], numel, floor
-    )
+def _noise(m: Any, ref: Any, numels: Sequence[int], dtype: str) -> list[tuple[bool, bool]] | None:
+    if not m.statuses or not ref.statuses or not m.norms or not ref.norms:
+        return None
+    return noise_pairs(ref.statuses, ref.norms, m.statuses, m.norms, numels, dtype)
 
 
 def _float64_copy(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -108,6 +108,23 @@ def negligible(status: str, norm: float | None, numel: int, floor: float) -> boo
     return norm is not None and numel > 0 and norm / numel <= floor
 
 
+def noise_pairs(
+    ref_statuses: Sequence[str],
+    ref_norms: Sequence[float | None],
+    statuses: Sequence[str],
+    norms: Sequence[float | None],
+    numels: Sequence[int],
+    dtype: str,
+) -> list[tuple[bool, bool]]:
+    """Per parameter of one run: (reference at noise level, variant at noise level), against the noise
+    floor of the reference run (the ``noise`` argument of ``verdict``)."""
+    floor = noise_floor(ref_norms, numels, dtype)
+    return [
+        (negligible(rs, rn, k, floor), negligible(s, n, k, floor))
+        for rs, rn, s, n, k in zip(ref_statuses, ref_norms, statuses, norms, numels, strict=True)
+    ]
+
+
 def verdict(
     ref_status: str,
     status: str,

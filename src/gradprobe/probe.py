@@ -14,7 +14,7 @@ from .balance import balance_report
 from .batch import check_devices, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
-from .compare import consistency_tolerance, negligible, noise_floor, tolerance, verdict
+from .compare import consistency_tolerance, noise_pairs, tolerance, verdict
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
 from .evidence.dynamo_events import Watch
@@ -467,16 +467,11 @@ def _flow_map(
             rel = m.rel_errors or [None] * len(trainable_names)
             refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
             ref_norms = ref_norms_of.get(m.scenario) or [None] * len(trainable_names)
-            floor = noise_floor(ref_norms, numels, dtype)
+            noise = (
+                noise_pairs(refs, ref_norms, m.statuses, m.norms, numels, dtype) if refs is not None else None
+            )
             for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
-                if refs is None:
-                    v = None
-                else:
-                    noise = (
-                        negligible(refs[i], ref_norms[i], numels[i], floor),
-                        negligible(st, nm, numels[i], floor),
-                    )
-                    v = verdict(refs[i], st, rel[i], rtol, noise)
+                v = None if refs is None or noise is None else verdict(refs[i], st, rel[i], rtol, noise[i])
                 cells.append(
                     Cell(x.info.name, m.scenario, n, st, nm, rel[i] if refs is not None else None, v)
                 )

@@ -1,6 +1,6 @@
 """consistency-failed: the consistency check (allclose per element against the reference, float64
-rtol=atol=1e-10) fails for a path and no more specific cause explains those runs: values differ
-below the flow table's tolerance but beyond what a correct compiled path reaches. Cells at noise
+rtol=atol=1e-10) fails for a path that no other finding is about: values differ below the flow
+table's tolerance but beyond what a correct compiled path reaches. Cells at noise
 level in both runs are not compared (``compare.noise_floor``).
 """
 
@@ -19,6 +19,8 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
     for v, r in (report.get("variants") or {}).items():
         if r.get("passed") or not (r.get("failed_cells") or r.get("terms")):
             continue  # passed, or nothing compared (failed runs are another cause's)
+        if any(run_variant == v for run_variant, _ in skip):
+            continue  # another finding is about this path already: its inconsistency is that one
         worst = [w for w in r.get("worst") or () if (v, w["scenario"]) not in skip]
         terms = [t for t in r.get("terms") or () if (v, t["scenario"]) not in skip]
         if not worst and not terms:

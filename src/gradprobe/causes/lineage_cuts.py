@@ -92,7 +92,7 @@ def places(fm: FlowMap) -> list[Place]:
             missing = unreached_in(fm, variant, scenario) if scenario is not None else None
             if not missing:
                 continue
-            carried = set(tl.get("carries") or ())
+            carried = set(tl.get("depends_on") or ()) - set(tl.get("cut") or ())
             cut = [p for p in tl.get("cut") or () if p in missing]
             found: list[tuple[dict[str, Any], list[str]]] = []
             for sid in tl.get("sites") or ():

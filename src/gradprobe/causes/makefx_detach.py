@@ -63,6 +63,12 @@ def detect(fm: FlowMap) -> list[Finding]:
     return findings
 
 
+def _first_node(site: dict[str, Any]) -> str:
+    if site.get("file"):
+        return f"first {site.get('node')} at {where(site)}"
+    return f"first {site.get('node')} (the trace kept no stack traces: trace with record_stack_traces=True for the line)"
+
+
 def _finding(
     fm: FlowMap,
     v: str,
@@ -92,10 +98,8 @@ def _finding(
         cut = sorted({p for pl in seen for p in pl.parameters})
         message += (
             f"; where: {len(seen)} detach node(s) in the replayed graph cut {', '.join(seen[0].terms)} off "
-            f"{names(cut)}, first {first.get('node')}"
-            + (f" at {where(first)}" if first.get("file") else " (the trace kept no stack traces: trace with "
-               "record_stack_traces=True for the line)")
-        )  # fmt: skip
+            f"{names(cut)}, {_first_node(first)}"
+        )
         location = {**first, "variant": v}
         runs = [r for pl in seen for r in explained_runs(fm, pl) if r[0] == v] + runs_of(v, bad)
     elif partial:
@@ -103,10 +107,8 @@ def _finding(
         message += (
             f"; where: {len(partial)} detach node(s) in the replayed graph sit on parameter-dependent tensors "
             f"used by the backward ops of the traced gradient (part of the gradient of {names(first['parameters'])} "
-            f"is cut), first {first.get('node')}"
-            + (f" at {where(first)}" if first.get("file") else " (the trace kept no stack traces: trace with "
-               "record_stack_traces=True for the line)")
-        )  # fmt: skip
+            f"is cut), {_first_node(first)}"
+        )
         location = {**first, "variant": v}
         runs = runs_of(v, bad)
     else:

@@ -153,9 +153,9 @@ def _generic_flips(
     along the backend ladder, and the first rung that breaks is the culprit (the path's own backend
     when every rung is fine). A builder that calls no ``torch.compile()`` cannot be overridden.
     """
-    from .overrides import force_eager, with_backend
+    from .overrides import under_force_eager, with_backend
 
-    if not trial("stance", "compiled code off (force_eager stance)", force_eager(failing)):
+    if not trial("stance", "compiled code off (force_eager stance)", under_force_eager(failing)):
         b.stage = "python"
         b.irrelevant.append("compilation")
         return

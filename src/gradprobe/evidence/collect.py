@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..build import Built, VariantContext, build
-from ..compare import negligible, noise_floor, tolerance, verdict
+from ..compare import noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
 from ..scenarios import Scenario
 from ..spec import ProbeSpec
@@ -27,7 +27,7 @@ from ..step import make_weights
 from ..variants import VariantSpec
 from .bisect import bisect
 from .confirm import confirm
-from .lineage import PathLineage, merged, record
+from .lineage import PathLineage, force_eager, merged, record
 
 TOTAL = "__total__"  # the lineage key of a path that returns its total loss only
 
@@ -39,13 +39,12 @@ def mismatch(m: Measurement, ref: Measurement | None, rtol: float, numels: Seque
         return ref is None or ref.error is None
     if ref is None or ref.statuses is None or m.statuses is None or ref.norms is None or m.norms is None:
         return False
-    floor = noise_floor(ref.norms, numels, dtype)
     rel = m.rel_errors or [None] * len(m.statuses)
-    for r, s, e, rn, n, k in zip(ref.statuses, m.statuses, rel, ref.norms, m.norms, numels, strict=True):
-        noise = (negligible(r, rn, k, floor), negligible(s, n, k, floor))
-        if verdict(r, s, e, rtol, noise) != "match":
-            return True
-    return False
+    noise = noise_pairs(ref.statuses, ref.norms, m.statuses, m.norms, numels, dtype)
+    return any(
+        verdict(r, s, e, rtol, n) != "match"
+        for r, s, e, n in zip(ref.statuses, m.statuses, rel, noise, strict=True)
+    )
 
 
 def _terms_of(mode: str) -> Callable[[Any], Mapping[str, torch.Tensor]]:
@@ -181,7 +180,7 @@ def _term_values(call: Callable[[], Any], mode: str, seed: int) -> Callable[[], 
 
     def values() -> dict[str, float]:
         reseed(seed)
-        with torch.compiler.set_stance("force_eager"):
+        with force_eager():
             got = terms_of(call())
         return {t: float(v.detach().double()) for t, v in got.items() if isinstance(v, torch.Tensor)}
 

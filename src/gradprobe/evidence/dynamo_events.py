@@ -82,6 +82,14 @@ def _compile_entry(m: Any) -> dict[str, Any]:
     return entry
 
 
+def _hook_setter() -> Any:
+    try:
+        from torch._C._dynamo.eval_frame import set_guard_complete_hook
+    except ImportError:
+        return None
+    return set_guard_complete_hook
+
+
 class Watch:
     """Collects dynamo's events in named windows; ``with Watch() as w: with w.window("build"): ...``."""
 
@@ -92,17 +100,16 @@ class Watch:
         self._installed = False
 
     def __enter__(self) -> Watch:
-        from torch._C._dynamo.eval_frame import set_guard_complete_hook
-
-        self._previous_hook = set_guard_complete_hook(self._hook)
-        self._installed = True
+        hook = _hook_setter()
+        if hook is not None:  # torch < 2.6 has no guard-complete hook: compiles are still recorded
+            self._previous_hook = hook(self._hook)
+            self._installed = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from torch._C._dynamo.eval_frame import set_guard_complete_hook
-
-        if self._installed:
-            set_guard_complete_hook(self._previous_hook)
+        hook = _hook_setter()
+        if self._installed and hook is not None:
+            hook(self._previous_hook)
             self._installed = False
 
     def _hook(self, cache_hit: bool) -> bool:

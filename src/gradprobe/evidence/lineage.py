@@ -132,12 +132,8 @@ class TermLineage:
         return tuple(p for p in self.depends_on if p not in carried)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "depends_on": list(self.depends_on),
-            "carries": list(self.carries),
-            "cut": list(self.cut),
-            "sites": list(self.sites),
-        }
+        # ``carries`` is ``depends_on`` minus ``cut``: not written twice (large models, several paths).
+        return {"depends_on": list(self.depends_on), "cut": list(self.cut), "sites": list(self.sites)}
 
 
 @dataclass
@@ -629,6 +625,13 @@ def _op_name(func: Callable[..., Any]) -> str:
     return name.removesuffix(".__get__")  # property getters such as Tensor.data
 
 
+def force_eager() -> contextlib.AbstractContextManager[Any]:
+    """``torch.compiler.set_stance("force_eager")`` (torch 2.6+); on older torch a dispatch mode makes
+    dynamo run compiled frames eagerly anyway (and skip them until ``torch._dynamo.reset()``)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def recording(
     model: nn.Module, sources: Sequence[tuple[str, Tensor]], *, check_nonfinite: bool = False,
@@ -648,7 +651,7 @@ def _instrumented(rec: _Recorder) -> Iterator[None]:
         undo.callback(register_module_forward_hook(rec.leave, always_call=True).remove)
         # force_eager: compiled functions inside the path run their Python, and dynamo leaves no
         # skip mark on them (a dispatch mode alone would make dynamo skip them until reset()).
-        undo.enter_context(torch.compiler.set_stance("force_eager"))
+        undo.enter_context(force_eager())
         # A compiled module called under our global hooks warns that they fire twice: harmless here
         # (the hooks only track which module runs), and not the user's concern.
         undo.enter_context(warnings.catch_warnings())

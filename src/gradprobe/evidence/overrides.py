@@ -20,14 +20,20 @@ from typing import Any
 import torch
 
 from ..variants import VariantSpec
+from .lineage import force_eager
 
 
 @contextlib.contextmanager
 def backend_override(backend: str) -> Iterator[list[int]]:
-    """Every ``torch.compile()`` called inside uses ``backend``; yields a one-item list counting them."""
-    from torch._inductor.compiler_bisector import CompilerBisector
-
+    """Every ``torch.compile()`` called inside uses ``backend``; yields a one-item list counting them
+    (it stays 0 on a torch without ``CompilerBisector``, torch < 2.6: nothing can be overridden)."""
     calls = [0]
+    try:
+        from torch._inductor.compiler_bisector import CompilerBisector
+    except ImportError:
+        yield calls
+        return
+
     original = CompilerBisector.__dict__["get_backend"]
 
     def get_backend(cls: Any) -> str:
@@ -46,7 +52,7 @@ def _wrapped(v: VariantSpec, suffix: str, builder: Callable[[Any], Any]) -> Vari
     return dataclasses.replace(v, name=name, builder=builder, base=name, user_knobs={}, knobs={})
 
 
-def force_eager(v: VariantSpec) -> VariantSpec:
+def under_force_eager(v: VariantSpec) -> VariantSpec:
     """The same path, run under the ``force_eager`` stance."""
     from ..build import Built
 
@@ -60,7 +66,7 @@ def force_eager(v: VariantSpec) -> VariantSpec:
             return made
 
         def eager_run(batch: Any, weights: Any) -> Any:
-            with torch.compiler.set_stance("force_eager"):
+            with force_eager():
                 return run(batch, weights)
 
         return Built(run=eager_run)  # no counter: under the stance nothing compiled runs
