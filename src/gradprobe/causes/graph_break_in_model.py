@@ -26,6 +26,7 @@ _SPELLING = {
     "tolist": ".tolist()",
     "numpy": ".numpy()",
     "int_cast": "an integer cast",
+    "non_differentiable": "an op whose output carries no gradient",
     "autograd_grad_no_create_graph": "torch.autograd.grad without create_graph",
 }
 

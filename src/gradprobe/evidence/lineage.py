@@ -54,7 +54,7 @@ from .graphlint import user_frame
 
 # Kinds of cut site.
 DETACH, DATA, NO_GRAD, INFERENCE = "detach", "data", "no_grad", "inference_mode"
-INT_CAST, BAKED, NONFINITE = "int_cast", "baked_constant", "nonfinite"
+INT_CAST, BAKED, NONFINITE, NON_DIFF = "int_cast", "baked_constant", "nonfinite", "non_differentiable"
 NO_CREATE_GRAPH, UNUSED_INPUT = "autograd_grad_no_create_graph", "autograd_grad_unused_input"
 ITEM, FLOAT, TOLIST, NUMPY = "item", "float", "tolist", "numpy"
 LEAVING = (ITEM, FLOAT, TOLIST, NUMPY)
@@ -66,6 +66,7 @@ KINDS = (
     INT_CAST,
     BAKED,
     NONFINITE,
+    NON_DIFF,
     NO_CREATE_GRAPH,
     UNUSED_INPUT,
     *LEAVING,
@@ -189,11 +190,12 @@ def is_user_file(path: str) -> bool:
 class _Site:
     """A cut site while it is being recorded: widened by every later pass of the same place."""
 
-    __slots__ = ("at", "bits", "detail", "feeds_backward", "id", "kind", "op")
+    __slots__ = ("at", "bits", "detail", "feeds_backward", "history", "id", "kind", "op")
 
     def __init__(self, sid: int, kind: str, op: str, at: dict[str, Any], detail: str) -> None:
         self.id, self.kind, self.op, self.at, self.detail = sid, kind, op, at, detail
         self.bits = 0
+        self.history = 0  # a leaving site: the cut sites in the history of the value that left
         self.feeds_backward = False
 
     def frozen(self, names_of: Callable[[int], tuple[str, ...]]) -> CutSite:
@@ -231,6 +233,7 @@ class _Recorder:
         self.sites: list[_Site] = []
         self.by_place: dict[tuple[Any, ...], _Site] = {}
         self.leaving: list[tuple[_Site, Any]] = []  # value that left torch: float, or a CPU copy
+        self.made_by_function: WeakIdKeyDictionary = WeakIdKeyDictionary()  # -> (file, line) of its apply
         self.ops = 0
         self.node_cache: dict[int, dict[str, torch.fx.Node]] = {}
 
@@ -298,11 +301,30 @@ class _Recorder:
             v, g, s = v | a, g | b, s | c
         return v, g, s
 
-    def site(self, kind: str, op: str, bits: int, detail: str = "", value: int = 0) -> _Site:
-        """The cut site at the current place (created, or widened by ``bits``, plus the frozen sources
-        among ``value``: they can never carry gradient, but the values cut there depend on them)."""
+    def site(
+        self,
+        kind: str,
+        op: str,
+        bits: int,
+        detail: str = "",
+        value: int = 0,
+        at: tuple[str, int] | None = None,
+    ) -> _Site:
+        """The cut site at the current place, or at ``at`` = (file, line) (created, or widened by
+        ``bits``, plus the frozen sources among ``value``: they can never carry gradient, but the values
+        cut there depend on them)."""
         bits |= value & self.frozen
-        at = self.where(grad_off=kind in (NO_GRAD, INFERENCE))
+        if at is None:
+            at = self.where(grad_off=kind in (NO_GRAD, INFERENCE))
+        else:
+            file, line = at
+            at = {
+                "module": "",
+                "module_type": "",
+                "file": file,
+                "line": line,
+                "code": linecache.getline(file, line).strip(),
+            }
         if at.get("ran"):
             detail = f"{detail}; {at['ran']}" if detail else at["ran"]
         key = (kind, at["file"], at["line"], at.get("node"))
@@ -388,7 +410,14 @@ class _Ops(TorchDispatchMode):
             if kind is not None:
                 rec.python_cut[-1] = None  # consumed: autograd's own detaches inside it stay aliases
         elif g and (not grad_on or inference):
-            kind = self._no_grad_kind(inference)
+            # A custom autograd.Function's forward always runs with grad off: its backward decides, and
+            # autograd tells afterwards whether its outputs carry gradient (``_autograd_disagrees``).
+            caller = _custom_function_caller()
+            if caller is None:
+                kind = self._no_grad_kind(inference)
+            else:
+                for t in tensors_in(out):
+                    rec.made_by_function[t] = (caller.f_code.co_filename, caller.f_lineno)
         op = "torch.autograd.grad" if kind == NO_CREATE_GRAPH else _python_name(rec, func)
         written = [
             a for a, arg in zip(args, func._schema.arguments, strict=False)
@@ -487,7 +516,7 @@ class _Ops(TorchDispatchMode):
         for t in tensors_in(out):
             for left, value in rec.leaving:
                 if isinstance(value, Tensor) and _same_values(t, value):
-                    rec.lin[t] = (left.bits, 0, 1 << left.id)
+                    rec.lin[t] = (left.bits, 0, left.history | (1 << left.id))
                     break
 
 
@@ -499,6 +528,21 @@ def _all_finite(tensors: Iterable[Tensor]) -> bool:
 
 
 _GRAD_OFF = ("no_grad", "inference_mode", "set_grad_enabled(False)", "enable_grad(False)")
+_FUNCTION_FILE = os.path.join(_TORCH_DIR, "autograd", "function.py")
+
+
+def _custom_function_caller() -> Any:
+    """Inside the forward of a custom ``torch.autograd.Function``: the frame that called its ``apply``
+    (None outside one)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "apply" and frame.f_code.co_filename == _FUNCTION_FILE:
+            caller = frame.f_back  # the user's line that called it (through torch's own wrappers)
+            while caller is not None and not is_user_file(caller.f_code.co_filename):
+                caller = caller.f_back
+            return caller or frame
+        frame = frame.f_back
+    return None
 
 
 @functools.cache
@@ -563,6 +607,9 @@ class _Calls(TorchFunctionMode):
             return self._grad(args, kwargs)
         op = _op_name(func)
         base = op.rsplit(".", 1)[-1]
+        grad_on = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if grad_on:
+            self._autograd_disagrees(tensors_in((args, kwargs)), op, "an input")
         cut = _PY_DETACH.get(base) if op.startswith("torch.Tensor.") else None
         if op == "aten.detach.default":  # a replayed FX graph's detach node
             cut = DETACH
@@ -579,13 +626,33 @@ class _Calls(TorchFunctionMode):
             and args
             and isinstance(args[0], Tensor)
         ):
-            v, g, _ = rec.of(args[:1])
+            v, g, s = rec.of(args[:1])
             if v:
                 what = "a Python list" if base == TOLIST else "a NumPy array"
                 site = rec.site(base, op.removeprefix("torch."), g or v, f"leaves torch as {what}")
+                site.history = s  # cut sites before it (x.detach().numpy()): the data comes back with them
                 src = args[0].detach()
                 rec.leaving.append((site, src.to("cpu").clone() if src.numel() <= 1 << 20 else src[:0]))
+        elif grad_on:
+            self._autograd_disagrees(tensors_in(out), op, "its output")
         return out
+
+    def _autograd_disagrees(self, tensors: list[Tensor], op: str, what: str) -> None:
+        """Tensors the aten ops say carry gradient but autograd does not: a cut the dispatch level cannot
+        see (``x.new_tensor(t)``, ``torch.tensor(t)``, a custom Function's non-differentiable output, an
+        op without a derivative, a C++ extension without autograd). Checked on the outputs of every
+        Python-level call, and on its inputs (a custom Function's outputs reach no such call first)."""
+        rec = self.rec
+        for t in tensors:
+            if _floating(t) and not t.requires_grad:
+                v, g, s = rec.lin.get(t, _ZERO)
+                if g:
+                    name = op.removeprefix("torch.") if op.startswith("torch.Tensor.") else op
+                    made = rec.made_by_function.get(t)
+                    if made is not None:  # name the custom Function's call, not where its output is used
+                        name, what = "torch.autograd.Function.apply", "a custom autograd.Function output"
+                    site = rec.site(NON_DIFF, name, g, f"{what} does not require grad", v, at=made)
+                    rec.lin[t] = (v, 0, s | (1 << site.id))
 
     def _grad(self, args: Any, kwargs: Any) -> Any:
         rec = self.rec
