@@ -47,7 +47,7 @@ def test_verdict_findings_and_interpretation(makefx_md):
 
 def test_diff_tables_hold_only_differing_rows(makefx_md):
     diff = makefx_md.split("Per-parameter diff")[1].split("</details>")[0]
-    assert "| fitting.layer1.bias | nonzero | zero | 1 | **missing** |" in diff
+    assert "| fitting.layer1.bias | nonzero | none | 1 | **missing** |" in diff
     assert "| type_embedding.weight | nonzero | nonzero | 1.02 | **wrong** |" in diff
     assert "| fitting.out.weight |" not in diff and "| aux_head.bias |" not in diff
     assert diff.count("| parameter | eager | make_fx | rel. error | verdict |") == 3

@@ -277,11 +277,24 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
     weighted = ctx.weighted()
     built = Built()
     target = weighted
+    context = _compile_context(variant.backend)
+    if variant.capture == "model":
+        # Only the module is compiled (sharing its parameters); the step, its loss and any
+        # autograd.grad run eagerly around it, so switched-off terms are never differentiated.
+        built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
+        compiled_model = torch.compile(ctx.model, backend=built.counter, fullgraph=variant.knob("fullgraph"),
+                                       dynamic=variant.knob("dynamic"))  # fmt: skip
+
+        def run_model_compiled(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
+            with module_mode(ctx.model, mode), _autocast(device, autocast), context:
+                return weighted(compiled_model, batch, weights)
+
+        built.run = run_model_compiled
+        return built
     if variant.compiled:
         built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
         target = torch.compile(_vector_weighted(weighted, tuple(ctx.terms)), backend=built.counter,
                                fullgraph=variant.knob("fullgraph"), dynamic=variant.knob("dynamic"))  # fmt: skip
-    context = _compile_context(variant.backend)
 
     def run_direct(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
         with module_mode(ctx.model, mode), _autocast(device, autocast), context:

@@ -23,7 +23,7 @@ import torch
 from .build import VariantContext, build
 from .compare import consistency_tolerance, noise_pairs
 from .errors import SpecError
-from .measure import run_error
+from .measure import isolated, run_error
 from .optim import fresh_optimizer
 from .scenarios import Scenario
 from .spec import ProbeSpec
@@ -271,9 +271,10 @@ def training_check(
                     curve.append(float(values.get(term, total).detach()))
                     if len(curve) > steps:
                         break
-                    if not total.requires_grad:
+                    target = isolated(total, values, s.terms) if mode == "terms" else total
+                    if not target.requires_grad:
                         raise RuntimeError(f"the {term} loss has no gradient path")
-                    grads = torch.autograd.grad(total, params, allow_unused=True)
+                    grads = torch.autograd.grad(target, params, allow_unused=True)
                     for p, g in zip(params, grads, strict=True):
                         p.grad = g
                     optimizer.step()

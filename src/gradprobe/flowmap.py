@@ -49,6 +49,9 @@ class RunError:
     stage: str  # build | trace | compile | forward | backward | reduce
     type: str
     message: str
+    # The user's frame the failure came from: {file, line, code, function} (the innermost frame
+    # outside torch and gradprobe, or the "from user code" frame dynamo names), None if unknown.
+    where: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -549,7 +552,7 @@ class _Fields:
         if not isinstance(x, Mapping):
             raise _malformed(self._at(key), "an object or null", x)
         e = _Fields(x, self._at(key))
-        return RunError(e.text("stage"), e.text("type"), e.text("message"))
+        return RunError(e.text("stage"), e.text("type"), e.text("message"), e.opt_obj("where"))
 
 
 def _str_keys(d: Mapping[Any, Any], where: str) -> dict[str, Any]:

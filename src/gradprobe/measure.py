@@ -12,6 +12,8 @@ Both return one ``Measurement`` per scenario; statuses are reduced in batches (`
 from __future__ import annotations
 
 import contextlib
+import linecache
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -51,7 +53,8 @@ class Measurement:
 
 
 def run_error(stage: str, e: BaseException) -> RunError:
-    """A recorded failure. Dynamo's own exceptions during a run are compile failures."""
+    """A recorded failure, with the user's frame it came from. Dynamo's own exceptions during a run
+    are compile failures."""
     if stage == "forward" and _is_dynamo_error(e):
         stage = "compile"
     text = str(e).strip()
@@ -60,7 +63,39 @@ def run_error(stage: str, e: BaseException) -> RunError:
         message = message[: 60 + message[60:].index(". ") + 1]  # the first sentence is the message
     if "double backward" in text and "aot_autograd" in text:
         message = "torch.compile with aot_autograd does not currently support double backward"
-    return RunError(stage, type(e).__name__, message[:500])
+    return RunError(stage, type(e).__name__, message[:500], user_frame_of(e))
+
+
+_FROM_USER = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>[^\n]+)\n\s*(?P<code>[^\n]*)'
+)
+
+
+def user_frame_of(e: BaseException) -> dict[str, Any] | None:
+    """The user's frame of a failure: the last frame dynamo's message names ("from user code: File
+    ..."), else the innermost traceback frame outside torch and gradprobe."""
+    from .evidence.lineage import is_user_file
+
+    named = [m.groupdict() for m in _FROM_USER.finditer(str(e)) if is_user_file(m["file"])]
+    if named:
+        f = named[-1]
+        return {
+            "file": f["file"],
+            "line": int(f["line"]),
+            "function": f["function"].strip(),
+            "code": f["code"].strip(),
+        }
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_user_file(code.co_filename) and not code.co_filename.startswith("<eval_with_key>"):
+            found = (code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    file, line, function = found
+    return {"file": file, "line": line, "function": function, "code": linecache.getline(file, line).strip()}
 
 
 def _is_dynamo_error(e: BaseException) -> bool:
@@ -271,6 +306,7 @@ def per_scenario(
     counter: Any = None,
     consistency_rtol: float = 1e-10,
     observe: Callable[[str], AbstractContextManager[Any]] | None = None,
+    isolate: bool = False,
 ) -> list[Measurement]:
     """One forward and one gradient per scenario; the step weighs its terms with 0-dim tensors.
 
@@ -278,6 +314,10 @@ def per_scenario(
     ``CompileCounter``; a run in which no compiled graph executed ran in eager and is recorded as a
     dynamo fallback rather than measured as if compiled, and graphs compiled per run show recompiles.
     ``observe(scenario)``: a context entered around each scenario's run (dynamo's events per run).
+    ``isolate``: differentiate only the scenario's own terms (their values as the run returns them),
+    never the switched-off ones multiplied by 0: a term whose backward raises (a double backward
+    through compiled code) or gives NaN then cannot spoil the scenarios that do not use it. For
+    terms-mode steps, whose weights are exactly 1 and 0, the gradients are the same.
     """
     like = params[0]
     results = []
@@ -288,10 +328,20 @@ def per_scenario(
         executions, graphs = (counter.executions, counter.graphs) if counter is not None else (0, 0)
         with observe(s.name) if observe is not None else contextlib.nullcontext():
             _run_scenario(m, call, params, s, terms, like, counter, executions, graphs, reference, keep,
-                          consistency_rtol)  # fmt: skip
+                          consistency_rtol, isolate)  # fmt: skip
         m.seconds = time.perf_counter() - t0
         results.append(m)
     return results
+
+
+def isolated(total: torch.Tensor, values: Mapping[str, torch.Tensor], on: Sequence[str]) -> torch.Tensor:
+    """The sum of the switched-on terms' values, or ``total`` when the run did not return them all."""
+    if not on or any(t not in values for t in on):
+        return total
+    out = values[on[0]]
+    for t in on[1:]:
+        out = out + values[t]
+    return out.reshape(total.shape)
 
 
 def _run_scenario(
@@ -307,6 +357,7 @@ def _run_scenario(
     reference: Mapping[str, Measurement] | None,
     keep: bool,
     consistency_rtol: float,
+    isolate: bool = False,
 ) -> None:
     """One forward and one gradient of one scenario into ``m``; failures are recorded, not raised."""
     try:
@@ -331,11 +382,12 @@ def _run_scenario(
             "frame was skipped), so this run would measure eager, not the compiled path",
         )
         return
-    if not total.requires_grad:
+    target = isolated(total, values, s.terms) if isolate else total
+    if not target.requires_grad:
         m.error = no_grad_path(f"the total loss of scenario {s.name!r}")
         return
     try:
-        grads = list(torch.autograd.grad(total, params, allow_unused=True))
+        grads = list(torch.autograd.grad(target, params, allow_unused=True))
     except Exception as e:
         m.error = run_error("backward", e)
         return

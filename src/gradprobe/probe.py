@@ -23,7 +23,7 @@ from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_in
 from .measure import Measurement, per_scenario, per_term
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, resolve_model
-from .state import preserved, reseed
+from .state import isolated_settings, preserved, reseed
 from .step import make_weights
 from .variants import VariantSpec, parse_variants
 
@@ -147,7 +147,7 @@ def run_probe(
             breaks_before = _graph_breaks()
             built: Built | None = None
             watch = watches[variant.name] = Watch()
-            with watch:
+            with watch, isolated_settings(import_configs=not _is_plain_eager(variant)):
                 if _is_plain_eager(variant) and mode == "terms":
                     reseed(spec.seed)
                     with watch.window("the eager step"):
@@ -184,6 +184,7 @@ def run_probe(
                             counter=counter,
                             consistency_rtol=consistency_tolerance(dtype)[0],
                             observe=watch.window,
+                            isolate=mode == "terms",
                         )  # fmt: skip
             if is_ref:
                 ref_results = {m.scenario: m for m in results}
@@ -370,7 +371,7 @@ def _compare_on(
         scenario = next(s for s in by_terms if s.name in ok)
         if scenario.name not in references:
             (references[scenario.name],) = per_scenario(
-                eager, params, [scenario], terms, spec.seed, keep=True
+                eager, params, [scenario], terms, spec.seed, keep=True, isolate=mode == "terms"
             )
         ref = references[scenario.name]
         run = builds[m.info.name].run
@@ -382,6 +383,7 @@ def _compare_on(
             terms,
             spec.seed,
             reference={scenario.name: ref},
+            isolate=mode == "terms",
         )
         rtol = tolerance(str(first.dtype).removeprefix("torch."), m.variant.knobs.get("autocast", "off"))
         entry: dict[str, Any] = {

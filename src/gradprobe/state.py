@@ -16,6 +16,7 @@ become private memory, as any write would make them.)
 
 from __future__ import annotations
 
+import importlib
 import random
 import sys
 from collections.abc import Iterator
@@ -289,6 +290,22 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
                 errors.append(e)
         if errors and sys.exc_info()[1] is None:
             raise errors[0]
+
+
+@contextmanager
+def isolated_settings(import_configs: bool = False) -> Iterator[None]:
+    """The global settings and compiler config as they were before the body, put back after it: what
+    one variant's build or run changes (a package's compile preparation flipping dynamo config) does
+    not leak into the next variant, the checks or the bisector. ``import_configs`` imports the
+    compiler config modules first, so that a path which is about to compile is covered."""
+    if import_configs:
+        for name in CONFIG_MODULES:
+            importlib.import_module(name)
+    settings = _snapshot_settings()
+    try:
+        yield
+    finally:
+        _restore_settings(settings)
 
 
 def reseed(seed: int) -> None:

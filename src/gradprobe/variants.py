@@ -2,7 +2,10 @@
 
     eager                         the user's step as written
     make_fx                       the step traced by make_fx (autograd.grad inside becomes plain ops)
-    compile:<backend>             torch.compile of the step (eager, aot_eager, aot_eager_decomp_partition, inductor)
+    compile:<backend>             torch.compile of the whole step, loss and forces included (eager,
+                                  aot_eager, aot_eager_decomp_partition, inductor)
+    compile_model:<backend>       torch.compile of the model only; the step's loss and autograd.grad run
+                                  eagerly around it (what most users write: ``model = torch.compile(model)``)
     make_fx+compile:<backend>     the traced graph, compiled (the pattern used for force training)
 
 Knobs go in brackets after the part they belong to, e.g.
@@ -48,7 +51,9 @@ class VariantSpec:
     """
 
     name: str
-    capture: str = "eager"  # eager | make_fx | user
+    capture: str = (
+        "eager"  # eager | make_fx | user | model (compile_model: the module compiled, not the step)
+    )
     backend: str | None = None
     knobs: dict[str, Any] = field(default_factory=dict)
     builder: Callable[..., Any] | None = None
@@ -175,6 +180,8 @@ def canonical_name(capture: str, backend: str | None, knobs: dict[str, Any]) -> 
     head = part("make_fx", step_table) if capture == "make_fx" else None
     if backend is None:
         return head or part(EAGER, STEP_KNOBS)
+    if capture == "model":
+        return part(f"compile_model:{backend}", {**COMPILE_KNOBS, **STEP_KNOBS})
     tail = part(f"compile:{backend}", COMPILE_KNOBS if head else {**COMPILE_KNOBS, **STEP_KNOBS})
     return f"{head}+{tail}" if head else tail
 
@@ -202,6 +209,13 @@ def parse_variant(text: str) -> VariantSpec:
         elif head == "make_fx" and i == 0:
             capture = "make_fx"
             knobs.update(_parse_knobs(knob_text, {**STEP_KNOBS, **MAKE_FX_KNOBS}, head))
+        elif head.startswith("compile_model:") and len(parts) == 1:
+            capture, backend = "model", head.removeprefix("compile_model:")
+            if backend not in BACKENDS and backend not in _registered_backends():
+                raise SpecError(
+                    f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; backends are: {', '.join(BACKENDS)}"
+                )
+            knobs.update(_parse_knobs(knob_text, {**COMPILE_KNOBS, **STEP_KNOBS}, head))
         elif head.startswith("compile:") and i == len(parts) - 1:
             backend = head.removeprefix("compile:")
             if backend not in BACKENDS and backend not in _registered_backends():
@@ -211,10 +225,11 @@ def parse_variant(text: str) -> VariantSpec:
             table = COMPILE_KNOBS if capture == "make_fx" else {**COMPILE_KNOBS, **STEP_KNOBS}
             knobs.update(_parse_knobs(knob_text, table, head))
         else:
-            known = [EAGER, "make_fx", *(f"compile:{b}" for b in BACKENDS), *_USER_VARIANTS]
+            known = [EAGER, "make_fx", *(f"compile:{b}" for b in BACKENDS), *(f"compile_model:{b}" for b in BACKENDS),
+                     *_USER_VARIANTS]  # fmt: skip
             raise SpecError(
                 f"unknown variant {text!r}{did_you_mean(text, known)}; variants are: eager, make_fx, "
-                f"compile:<backend>, make_fx+compile:<backend> (backends: {', '.join(BACKENDS)})"
+                f"compile:<backend>, compile_model:<backend>, make_fx+compile:<backend> (backends: {', '.join(BACKENDS)})"
                 + (f", and registered: {', '.join(_USER_VARIANTS)}" if _USER_VARIANTS else "")
             )
     return VariantSpec(canonical_name(capture, backend, knobs), capture, backend, knobs)

@@ -29,12 +29,29 @@ def detect(fm: FlowMap) -> list[Finding]:
             if fix
             else ""
         )
+        ok = [s for s in fm.scenario_names if s not in failed and fm.run(v.name, s).error is None]
+        where_ = (
+            "a force-like term differentiates the compiled model's backward again (create_graph=True around it)"
+            if v.capture == "model"
+            else "the step differentiates with create_graph=True inside the compiled region"
+        )
+        if ok:
+            split = (
+                f"; {', '.join(ok)} run{'s' if len(ok) == 1 else ''} compiled: only the terms that differentiate "
+                "twice fail"
+            )
+        else:
+            split = (
+                "; every scenario raises, single terms too: the terms are not separable in this path on this "
+                "torch (one compiled graph holds every term's backward). Compile the model only "
+                "(compile_model:<backend>) to train the first-order terms compiled"
+            )
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{v.name} raises at backward in {len(failed)} scenario(s): torch.compile with aot_autograd does not "
-                "support double backward (the step differentiates with create_graph=True inside the compiled region)",
+                f"{v.name} raises at backward in {', '.join(failed)}: torch.compile with aot_autograd does not "
+                f"support double backward ({where_}){split}",
                 evidence={"variant": v.name, "runs": runs_of(v.name, failed), "bisection": bis},
                 location={"variant": v.name, "backend": v.backend},
                 fix=f"patterns that work on this torch: {PATTERNS}.{verified}",

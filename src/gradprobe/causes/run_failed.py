@@ -4,7 +4,7 @@ in the catalogue explains it."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import Explained
+from .common import Explained, where
 
 CAUSE = "run-failed"
 
@@ -19,11 +19,13 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
             if r.variant == v.name and r.error is not None and (v.name, r.scenario) not in skip
         ]
         if v.error is not None and failed:
+            at = v.error.where or {}
             findings.append(
                 Finding(
                     CAUSE,
                     "error",
-                    f"variant {v.name} failed to {v.error.stage}: {v.error.type}: {v.error.message}",
+                    f"variant {v.name} failed to {v.error.stage}: {v.error.type}: {v.error.message}"
+                    + (f" (at {where(at)})" if at else ""),
                     evidence={
                         "variant": v.name,
                         "stage": v.error.stage,
@@ -31,6 +33,7 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                         "runs": [[v.name, r.scenario] for r in failed],
                     },
                     fix="see the error; other variants were still measured",
+                    location={"variant": v.name, **at} if at else None,
                 )
             )
             continue
@@ -40,11 +43,13 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         assert first is not None
         scen = ", ".join(r.scenario for r in failed)
         no_path = all(r.error is not None and r.error.type == "NoGradPath" for r in failed)
+        at = first.where or {}
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{len(failed)} run(s) of {v.name} failed ({scen}): {first.stage}: {first.type}: {first.message}",
+                f"{len(failed)} run(s) of {v.name} failed ({scen}): {first.stage}: {first.type}: {first.message}"
+                + (f" (at {where(at)})" if at else ""),
                 evidence={
                     "variant": v.name,
                     "runs": [[v.name, r.scenario] for r in failed],
@@ -61,6 +66,7 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                 )
                 if no_path
                 else "see the error message; the other runs were still measured",
+                location={"variant": v.name, **at} if at else None,
             )
         )
     return findings

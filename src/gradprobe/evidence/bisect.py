@@ -55,6 +55,8 @@ def with_knobs(
     """A copy of ``v`` with another capture/backend and knobs changed (``None`` value = default)."""
     capture = capture or v.capture
     backend = v.backend if backend == "same" else backend
+    if capture == "model" and backend is None:
+        capture = "eager"  # the model without its compile is the plain step
     knobs = {k: val for k, val in {**v.knobs, **changes}.items() if val is not None}
     from ..variants import COMPILE_KNOBS, MAKE_FX_KNOBS, STEP_KNOBS
 
@@ -91,12 +93,12 @@ def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_train
             return _summarise(b, failing)
         b.stage = "make_fx"
         base = alone
-    elif failing.capture == "eager" and failing.compiled:
+    elif failing.capture in ("eager", "model") and failing.compiled:
         plain = with_knobs(failing, backend=None)
         if trial("capture", f"{failing.name} → {plain.name} (no compile)", plain):
             b.stage = "compile"
             _ladder(b, failing, trial)
-            if b.culprit is not None:
+            if b.culprit is not None and failing.capture == "eager":
                 # The pattern that works for second-order terms: trace, decompose detach, compile first order.
                 fix = with_knobs(failing, capture="make_fx", detach="alias")
                 b.fix = {"variant": fix.name, "ok": trial("fix", f"{failing.name} → {fix.name}", fix)}

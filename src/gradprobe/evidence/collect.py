@@ -21,7 +21,7 @@ from ..compare import noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
 from ..scenarios import Scenario
 from ..spec import ProbeSpec
-from ..state import reseed
+from ..state import isolated_settings, reseed
 from ..status import INF, NAN
 from ..step import make_weights
 from ..variants import VariantSpec
@@ -224,6 +224,10 @@ def bisect_failing(
         subset = [by_name[failing[0]]]  # one failing scenario re-measured per trial
 
         def check(v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref) -> tuple[bool, str]:
+            with isolated_settings(import_configs=True):  # one trial's config changes stay in that trial
+                return _trial(v, subset, is_ref)
+
+        def _trial(v: VariantSpec, subset: list[Scenario], is_ref: bool) -> tuple[bool, str]:
             ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
             built = build(v, ctx)
             if built.error is not None:
@@ -231,7 +235,7 @@ def bisect_failing(
             results = per_scenario(
                 lambda w, run=built.run: run(batch, w),  # type: ignore[misc]
                 params, subset, terms, spec.seed,
-                reference=None if is_ref else ref_results, counter=built.counter,
+                reference=None if is_ref else ref_results, counter=built.counter, isolate=mode == "terms",
             )  # fmt: skip
             m = results[0]
             if m.error is not None:

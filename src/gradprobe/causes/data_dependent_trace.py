@@ -1,0 +1,58 @@
+"""data-dependent-trace: tracing or compiling needs a value that depends on the data (``.item()``,
+``int(t)``, ``bool(t)`` in an ``if``, ``.any()``, a size read from a tensor), which a trace cannot
+know: ``make_fx`` in real mode refuses to read it, symbolic tracing and dynamo raise
+``GuardOnDataDependentSymNode``. Seen on every real package where ``make_fx`` ran (neighbour counts,
+``int(idx[-1])``, ``torch.all(mask == 1)``).
+
+Evidence: the build or run error's message, and the user's frame it came from (``RunError.where``).
+"""
+
+from __future__ import annotations
+
+from ..flowmap import Finding, FlowMap, RunError
+from .common import runs_of, where
+
+CAUSE = "data-dependent-trace"
+SIGNATURES = (
+    "get value out of a tracing tensor",
+    "GuardOnDataDependentSymNode",
+    "guard on data-dependent",
+    "data-dependent expression",
+    "DataDependentOutputException",
+    "Data dependent",
+)
+
+
+def matches(error: RunError) -> bool:
+    return any(s.lower() in f"{error.type}: {error.message}".lower() for s in SIGNATURES)
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    findings = []
+    for v in fm.variants:
+        failed = [r for r in fm.runs if r.variant == v.name and r.error is not None and matches(r.error)]
+        errors = [v.error] if v.error is not None and matches(v.error) else [r.error for r in failed]
+        if not errors:
+            continue
+        first = errors[0]
+        assert first is not None
+        at = first.where or {}
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                f"{v.name} cannot be traced: it reads a value that depends on the data ({first.stage}: {first.message})"
+                + (f" at {where(at)}" if at else ""),
+                evidence={
+                    "variant": v.name,
+                    "runs": runs_of(v.name, [r.scenario for r in failed]),
+                    "error": first,
+                },
+                location={"variant": v.name, **at},
+                fix="keep the value a tensor at that line (torch.where or a mask instead of an `if` on a tensor; sizes "
+                "from the batch's shapes, not from its values); for torch.compile, "
+                "torch._dynamo.config.capture_scalar_outputs=True lets .item() into the graph. Next: a symbolic "
+                "trace of a data-dependent size needs torch._check(...) hints, or fixed (padded) sizes",
+            )
+        )
+    return findings
