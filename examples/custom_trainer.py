@@ -88,9 +88,10 @@ class TinyTrainerAdapter:
     def loss(self, model: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.trainer.compute_loss(model, batch, weights)
 
-    def build(self, configuration: str, knobs: Mapping[str, Any]) -> Any:
+    def build(self, configuration: str, knobs: Mapping[str, Any], model: torch.nn.Module) -> Any:
+        # `model` is the module to build on: the trainer's own, or the copy a training check steps.
         step = self.trainer.compiled_loss(knobs.get("backend", "aot_eager"), knobs.get("detach_aux", False))
-        return lambda batch, weights: step(self.trainer.model, batch, weights)
+        return lambda batch, weights: step(model, batch, weights)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,3 +181,13 @@ def test_the_example_runs(capsys) -> None:  # type: ignore[no-untyped-def]
     assert (
         "deepmd:compiled[backend=eager]" in out and "force only:            20/22               20/22" in out
     )
+
+
+def test_the_training_check_trains_deepmds_compiled_path(adapter: DeepmdAdapter) -> None:
+    # build() gets the copy the training check steps: DeePMD's compiled path (aot_eager here, to stay
+    # cheap) is trained on that copy, so its terms decrease like the uncompiled path's.
+    fm = adapter.probe(backend="aot_eager", checks=["training"])
+    verdicts = fm.checks["training"]["verdicts"]
+    assert verdicts["deepmd:compiled[backend=aot_eager]"] == verdicts["deepmd:uncompiled"], verdicts
+    assert set(verdicts["deepmd:uncompiled"].values()) == {"decreases"}, fm.checks["training"]
+    assert not fm.errors(), render(fm)

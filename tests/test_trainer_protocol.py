@@ -169,3 +169,28 @@ def test_a_user_knob_named_backend_can_be_the_culprit() -> None:
     assert bis["fix"] == {"variant": "mine[backend=plain]", "ok": True}
     assert "flipping backend=lossy → plain restores the flow" in bis["summary"]
     assert "backend-drops-grads" not in {f.cause for f in fm.findings}
+
+
+def test_the_training_check_steps_the_compiled_path_it_names(example) -> None:  # type: ignore[no-untyped-def]
+    # build() receives the copy the training check steps: the compiled configuration's terms decrease
+    # (built on the trainer's own model, the loss would not depend on the copy and every term would
+    # read flat on a healthy model).
+    adapter = example.TinyTrainerAdapter(example.TinyTrainer())
+    fm = probe_trainer(adapter, knobs={"compiled": {"backend": "eager"}}, checks=["training"])
+    verdicts = fm.checks["training"]["verdicts"]
+    assert verdicts["tiny:compiled[backend=eager]"] == {"fit": "decreases", "aux": "decreases"}
+    assert verdicts["tiny:plain"] == {"fit": "decreases", "aux": "decreases"}
+    assert not fm.errors()
+
+
+def test_a_build_without_model_cannot_be_trained_on_a_copy_and_says_so(example) -> None:  # type: ignore[no-untyped-def]
+    class OldStyle(example.TinyTrainerAdapter):  # type: ignore[misc,name-defined]
+        def build(self, configuration, knobs):  # type: ignore[no-untyped-def,override]
+            step = self.trainer.compiled_loss(knobs.get("backend", "aot_eager"))
+            return lambda batch, weights: step(self.trainer.model, batch, weights)
+
+    adapter = OldStyle(example.TinyTrainer())
+    fm = probe_trainer(adapter, knobs={"compiled": {"backend": "eager"}}, checks=["training"])
+    assert fm.count("tiny:compiled[backend=eager]", "fit only") == (4, 6)  # the probe itself works
+    (f,) = [f for f in fm.errors() if f.cause == "check-could-not-run"]
+    assert "build() takes no model" in f.message and "build(configuration, knobs, model)" in f.message

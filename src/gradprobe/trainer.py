@@ -20,13 +20,16 @@ A trainer (DeePMD-kit's, a Lightning module, your own class) is probed in weight
         def loss(self, model, batch, weights):   # the reference configuration's total loss, on `model`
             return self.trainer.compute_loss(model, batch, term_weights=weights)
 
-        def build(self, configuration, knobs):   # any other configuration: run(batch, weights) -> loss
-            step = self.trainer.compiled_loss(**knobs)
-            return lambda batch, weights: step(self.trainer.model, batch, weights)
+        def build(self, configuration, knobs, model):  # another configuration, built on `model`:
+            step = self.trainer.compiled_loss(**knobs)    #   run(batch, weights) -> loss
+            return lambda batch, weights: step(model, batch, weights)
 
 ``weights`` maps each term to a 0-dim tensor (1 = on, 0 = off): pass them where the trainer takes
-per-term weights or label switches (DeePMD's ``find_energy``...). ``loss`` must work on any copy of the
-module (the training check runs on copies); ``build`` may return a ``gradprobe.build.Built`` to add a
+per-term weights or label switches (DeePMD's ``find_energy``...). ``loss`` and ``build`` must work on
+any copy of the module: ``build`` gets the module to build on (the probed one, or the copy the
+training check steps), so every check measures the path it names; a ``build(configuration, knobs)``
+without ``model`` still probes, but checks on copies report that they could not run it. ``build`` may
+return a ``gradprobe.build.Built`` to add a
 compile counter (proof that compiled code ran in each measurement) and the traced graph (for the
 graph lint). Optional: ``second_batch()`` (catches graphs that froze trace-time values),
 ``notes`` (``{parameter prefix: why it may get no gradient}``), ``spec_fields()`` (more
@@ -38,6 +41,7 @@ with the reference configuration; the knobs a configuration declares are what th
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,7 +67,7 @@ class TrainerAdapter(Protocol):
 
     def loss(self, model: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]) -> Any: ...
 
-    def build(self, configuration: str, knobs: Mapping[str, Any]) -> Any: ...
+    def build(self, configuration: str, knobs: Mapping[str, Any], model: torch.nn.Module) -> Any: ...
 
 
 def _check(adapter: Any) -> None:
@@ -120,7 +124,20 @@ def _reference_builder(adapter: TrainerAdapter) -> Callable[..., Any]:
 
 
 def _builder(adapter: TrainerAdapter, configuration: str) -> Callable[..., Any]:
+    try:
+        takes_model = "model" in inspect.signature(adapter.build).parameters
+    except (TypeError, ValueError):
+        takes_model = False
+
     def builder(ctx: Any) -> Any:
+        if takes_model:
+            return adapter.build(configuration, dict(ctx.knobs), model=ctx.model)
+        if ctx.model is not adapter.module():
+            # Built on its own module, the path would not depend on this copy: every term would read flat.
+            raise SpecError(
+                f"{adapter.name}.build() takes no model, so its {configuration!r} path cannot run on the copy "
+                "a check trains: give it a `model` parameter, build(configuration, knobs, model), and build on it"
+            )
         return adapter.build(configuration, dict(ctx.knobs))
 
     return builder

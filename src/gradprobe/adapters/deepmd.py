@@ -401,14 +401,17 @@ class DeepmdAdapter:
         """The uncompiled path: DeePMD's ``ModelWrapper`` (model + loss) in train mode, on ``model``."""
         return self._call(self._wrapper(model), batch, weights)
 
-    def build(self, configuration: str, knobs: Mapping[str, Any]) -> Built:
+    def build(
+        self, configuration: str, knobs: Mapping[str, Any], model: torch.nn.Module | None = None
+    ) -> Built:
+        """DeePMD's compiled path on ``model`` (the probed model, or the copy a check trains)."""
         if configuration != "compiled":
             raise SpecError(f"DeePMD adapter: unknown configuration {configuration!r}")
         training = self._training
         training.check_compile_torch_version()
         detach = knobs.get("detach", COMPILED_KNOBS["detach"][0])
         backend = knobs.get("backend", COMPILED_KNOBS["backend"][0])
-        wrapper = self._wrapper(self.model)
+        wrapper = self._wrapper(self.model if model is None else model)
         # DeePMD's own compile step, on a fresh wrapper: what enable_compile does in Trainer.__init__.
         stand_in = SimpleNamespace(
             wrapper=wrapper,
