@@ -54,11 +54,12 @@ def test_isolation_goes_through_deepmds_switches(adapter: DeepmdAdapter) -> None
     switched = adapter.labels(labels, w, adapter.inputs(batch))
     assert switched["find_force"] is w["force"] and float(switched["find_energy"]) == 0.0
     assert labels["find_energy"] is not switched["find_energy"]  # the batch itself is not modified
-    # Each term alone changes the loss; all off gives exactly zero.
-    none = adapter.loss(adapter.model, adapter.batch(), _weights(adapter, ()))
+    # Each term alone changes the loss; all off gives exactly zero. (loss() returns DeePMD's metrics too.)
+    none, _, _ = adapter.loss(adapter.model, adapter.batch(), _weights(adapter, ()))
     assert float(none) == 0.0
     for t in adapter.terms:
-        assert float(adapter.loss(adapter.model, adapter.batch(), _weights(adapter, (t,)))) > 0.0
+        loss, terms, metrics = adapter.loss(adapter.model, adapter.batch(), _weights(adapter, (t,)))
+        assert float(loss) > 0.0 and terms == {} and {"rmse_e", "rmse_f", "rmse_v"} <= set(metrics)
 
 
 def test_uncompiled_flow(adapter: DeepmdAdapter) -> None:
@@ -121,12 +122,46 @@ def test_detach_kept_is_named_makefx_detach(adapter: DeepmdAdapter, compiled_map
 
 def test_eval_mode_is_caught_not_measured(adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeePMD 3.2's compiled model runs its eager original in eval mode: were the adapter to run it so,
-    the measurement would compare eager with eager. The compile counter turns that into a failure."""
+    the measurement would compare eager with eager. The compile counter turns that into a failure,
+    which says it was eval mode; and the reference, whose forces then reach nothing, is an error of
+    its own."""
     monkeypatch.setattr(gp_deepmd, "_train_mode", lambda module: module_mode(module, "eval"))
     fm = adapter.probe(backend="eager")
     for s in SCENARIOS:
         run = fm.run("deepmd:compiled[backend=eager]", s)
         assert run is not None and run.error is not None and "eager original" in run.error.message, s
+        assert "the wrapper was in eval mode" in run.error.message
+    on_reference = [f for f in fm.errors() if (f.location or {}).get("variant") == "deepmd:uncompiled"]
+    assert {f.cause for f in on_reference} == {"dead-term"}, render(fm)
+    assert {f.location["term"] for f in on_reference} == {"force", "virial"}
+
+
+def test_a_type_absent_from_the_batch_is_said_in_words(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    system = write_synthetic_system(tmp_path / "s")
+    (system / "type.raw").write_text("0\n" * 6)  # oxygen only; the type map still has H
+    ad = DeepmdAdapter.from_config(se_e2_a_config(system, workdir=tmp_path))
+    assert ad.types_present() == ["O"]
+    fm = ad.probe(configurations=["uncompiled"])
+    out = render(fm)
+    assert "type H is absent from the batch (types present: O): its fitting net gets no gradient" in out
+    h_net = "atomic_model.fitting_net.nets._module_networks.1.layers.0.w"
+    assert fm.count("deepmd:uncompiled", "energy only")[0] < 22 and h_net not in fm.reached(
+        "deepmd:uncompiled", "all"
+    )
+    assert not fm.errors(), out
+
+
+def test_gradprobe_run_takes_a_deepmd_input_json(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from gradprobe.cli import main
+
+    write_synthetic_system(tmp_path / "data" / "water")
+    config = se_e2_a_config("data/water", workdir=tmp_path)  # relative to the input file, as DeePMD reads it
+    (tmp_path / "input.json").write_text(json.dumps(config))
+    assert main(["run", str(tmp_path / "input.json"), "--variants", "uncompiled"]) == 0
+    out = capsys.readouterr().out
+    assert "deepmd:uncompiled" in out and "energy only:           22/22" in out
 
 
 def test_the_trainer_is_left_as_found(adapter: DeepmdAdapter) -> None:
@@ -183,11 +218,137 @@ def test_the_example_runs(capsys) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-def test_the_training_check_trains_deepmds_compiled_path(adapter: DeepmdAdapter) -> None:
-    # build() gets the copy the training check steps: DeePMD's compiled path (aot_eager here, to stay
-    # cheap) is trained on that copy, so its terms decrease like the uncompiled path's.
-    fm = adapter.probe(backend="aot_eager", checks=["training"])
-    verdicts = fm.checks["training"]["verdicts"]
-    assert verdicts["deepmd:compiled[backend=aot_eager]"] == verdicts["deepmd:uncompiled"], verdicts
-    assert set(verdicts["deepmd:uncompiled"].values()) == {"decreases"}, fm.checks["training"]
+COMPILED = "deepmd:compiled[backend=aot_eager]"  # aot_eager: DeePMD's own path, a cheap compile
+
+
+@pytest.fixture(scope="module")
+def checked_map(adapter: DeepmdAdapter):  # type: ignore[no-untyped-def]
+    return adapter.probe(backend="aot_eager", checks=["training", "physics"])
+
+
+def test_the_training_check_trains_deepmds_compiled_path(checked_map) -> None:  # type: ignore[no-untyped-def]
+    # build() gets the copy the training check steps: DeePMD's compiled path is trained on that copy,
+    # its compiled graph ran in every step (its counter), the copy moved, every term decreases.
+    fm = checked_map
+    training = fm.checks["training"]
+    verdicts = training["verdicts"]
+    assert verdicts[COMPILED] == verdicts["deepmd:uncompiled"] == dict.fromkeys(fm.terms, "decreases"), (
+        training
+    )
+    assert training["compiled_steps"][COMPILED] == dict.fromkeys(fm.terms, training["steps"] + 1)
+    assert all(m > 0 for v in (COMPILED, "deepmd:uncompiled") for m in training["moved"][v].values())
+    assert not fm.errors(), render(fm)
+
+
+def test_physics_and_outputs_are_checked_on_the_compiled_path_too(checked_map) -> None:  # type: ignore[no-untyped-def]
+    mine = checked_map.checks["physics_paths"][COMPILED]
+    assert mine["passed"] and mine["force"]["max_rel_error"] < 1e-7 and mine["virial"]["max_rel_error"] < 1e-7
+    assert all(e < 1e-10 for e in mine["outputs"].values()), mine["outputs"]  # vs deepmd:uncompiled's
+    # DeePMD's own metrics are recorded per run and path.
+    run = checked_map.run(COMPILED, "force only")
+    assert run.metrics["rmse_f"] == pytest.approx(
+        checked_map.run("deepmd:uncompiled", "force only").metrics["rmse_f"]
+    )
+
+
+def _errors_of(fm) -> set[str]:  # type: ignore[no-untyped-def]
+    return {f.cause for f in fm.errors()}
+
+
+def test_a_ghost_slice_in_the_compiled_fold_is_named_on_the_compiled_path(
+    adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Injected at run time: the compiled path's fold slices the extended forces instead of
+    # scatter-summing them onto their local atoms (DeePMD's eager fold is left alone).
+    import deepmd.pt_expt.train.training as dp_training
+
+    compiled_model = dp_training._CompiledModel
+    lower_for, forward = compiled_model._compiled_lower_for, compiled_model.forward
+    seen: list[dict] = []
+
+    def capturing(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        graph, order = lower_for(self, *args, **kwargs)
+
+        def run(*a):  # type: ignore[no-untyped-def]
+            out = graph(*a)
+            seen.append(out)
+            return out
+
+        return run, order
+
+    def sliced(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = forward(self, *args, **kwargs)
+        if "force" in out and seen:
+            out["force"] = seen[-1]["extended_force"][:, : out["force"].shape[1]]  # the bug
+        return out
+
+    monkeypatch.setattr(compiled_model, "_compiled_lower_for", capturing)
+    monkeypatch.setattr(compiled_model, "forward", sliced)
+    fm = adapter.probe(backend="aot_eager", checks=["physics"])
+    assert fm.checks["physics"]["passed"]  # the reference is right
+    (f,) = [f for f in fm.findings if f.cause == "ghost-force-slice"]
+    assert f.location["variant"] == COMPILED and f.message.startswith(f"{COMPILED}:")
+    assert _errors_of(fm) == {"ghost-force-slice"}, render(fm)
+
+
+def test_a_ghost_slice_in_the_eager_fold_is_named_on_the_reference(
+    adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    import deepmd.dpmodel.model.make_model  # noqa: F401
+
+    module = sys.modules["deepmd.dpmodel.model.make_model"]
+    fold = module.communicate_extended_output
+
+    def sliced(model_ret, model_output_def, mapping, do_atomic_virial=False):  # type: ignore[no-untyped-def]
+        out = fold(model_ret, model_output_def, mapping, do_atomic_virial)
+        out["energy_derv_r"] = model_ret["energy_derv_r"][:, : model_ret["energy"].shape[1]]  # the bug
+        return out
+
+    monkeypatch.setattr(module, "communicate_extended_output", sliced)
+    fm = adapter.probe(backend="aot_eager", checks=["physics"])
+    (f,) = [f for f in fm.findings if f.cause == "ghost-force-slice"]
+    assert f.location["variant"] == "deepmd:uncompiled", f.message
+    assert fm.checks["physics_paths"][COMPILED]["force"]["max_rel_error"] < 1e-7  # the compiled fold is right
+    assert _errors_of(fm) == {"ghost-force-slice"}, render(fm)
+    # The compiled path differs from a reference that is wrong: said, as a warning, not blamed.
+    differ = [f for f in fm.findings if f.cause in ("outputs-differ", "flow-mismatch")]
+    assert differ and all(f.severity == "warning" for f in differ)
+
+
+def test_an_rmse_normalisation_fault_is_named_with_the_factor_natoms(
+    adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    call = DeepmdAdapter._call
+
+    def faulty(self, wrapper, batch, weights, counter=None):  # type: ignore[no-untyped-def]
+        loss, terms, metrics = call(self, wrapper, batch, weights, counter)
+        if counter is not None:  # the compiled path only: rmse_v not divided by the atom count
+            metrics = {**metrics, "rmse_v": metrics["rmse_v"] * batch["atype"].shape[-1]}
+        return loss, terms, metrics
+
+    monkeypatch.setattr(DeepmdAdapter, "_call", faulty)
+    fm = adapter.probe(backend="aot_eager")
+    (f,) = [f for f in fm.findings if f.cause == "norm-mismatch"]
+    natoms = adapter.batch()["atype"].shape[-1]
+    assert f.evidence["metric"] == "rmse_v" and f.evidence["factor"] == pytest.approx(natoms)
+    assert f.evidence["variant"] == COMPILED and "not a trained term" in f.message
+
+
+def test_balance_is_judged_at_the_prefactors_of_deepmds_schedule(adapter: DeepmdAdapter) -> None:
+    # At DeePMD's first step the energy prefactor is 0.02 against the force's 1000: the energy is
+    # drowned now by design; at the schedule's end (limit prefactors) it is not. Said so, as information.
+    fm = adapter.probe(configurations=["uncompiled"], checks=["balance"])
+    schedule = fm.checks["balance"]["prefactor_schedule"]
+    assert schedule["now"]["energy"] == pytest.approx(0.02, rel=0.05) and schedule["limit"]["energy"] == 1.0
+    dominated = {f.location["term"]: f for f in fm.findings if f.cause == "term-dominated"}
+    energy = dominated["energy"]
+    assert energy.severity == "info" and "by design of the schedule" in energy.message, energy.message
+    assert "current step (lr" in energy.message and "nothing to do" in energy.fix
+    # The virial's prefactor does not move (1 → 1): drowned by the force at the limit too, still a warning.
+    if "virial" in dominated:
+        assert (
+            dominated["virial"].severity == "warning" and "still drowned there" in dominated["virial"].message
+        )
     assert not fm.errors(), render(fm)

@@ -69,6 +69,9 @@ def balance_report(
         "dominated": _dominated(terms, groups, norms, shares),
         "conflicts": _conflicts(terms, groups, index, grads, norms),
     }
+    if spec.prefactor_schedule:
+        result["prefactor_schedule"] = dict(spec.prefactor_schedule)
+        _at_limit(result["dominated"], spec.prefactor_schedule, terms, norms)
     params = [p for p in model.parameters() if p.requires_grad]
     result["optimizer"] = _optimizer_audit(spec, model, names, params, grads)
     result["frozen"] = _frozen_needed(model, terms, call_terms)
@@ -76,6 +79,21 @@ def balance_report(
         result["clipping"] = _clipping(spec.clip_grad_norm, terms, grads, sq)
     result["effective_update"] = _effective_update(spec, model, terms, grads)
     return result
+
+
+def _at_limit(
+    dominated: list[dict[str, Any]], schedule: Mapping[str, Any], terms: list[str], norms: dict
+) -> None:
+    """A drowned term's share at the end of the prefactor schedule: gradients scale with their
+    prefactor, so each term's norm is moved by limit/now (a schedule that starts a term small on
+    purpose, DeePMD's start_pref_e = 0.02 against start_pref_f = 1000, is no imbalance to warn about)."""
+    now, limit = schedule.get("now") or {}, schedule.get("limit") or {}
+    scale = {t: (limit[t] / now[t]) if now.get(t) and t in limit else 1.0 for t in terms}
+    for d in dominated:
+        g = d["group"]
+        mine = norms[d["term"]][g] * scale[d["term"]]
+        total = sum(norms[u][g] * scale[u] for u in terms)
+        d["share_at_limit"] = mine / total if total > 0 else 0.0
 
 
 def _squared_norms(gs: Sequence[torch.Tensor | None]) -> list[float]:

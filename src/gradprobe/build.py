@@ -135,7 +135,8 @@ class Built:
 
     A user variant's builder may return one itself. ``counter`` needs ``graphs`` and ``executions``
     (a run in which ``executions`` did not grow ran no compiled code and is recorded as such);
-    ``graph`` may be set during the first run (a trainer that traces lazily). Its parameters are the
+    ``graph`` may be set during the first run (a trainer that traces lazily); ``predict`` gives the
+    path's own energy, forces and virial for the physics check of that path. Its parameters are the
     first ``graph_params`` placeholders (default: one per probed parameter, gradprobe's own traces)
     plus any ``get_attr`` node holding a tensor that requires grad (a trace that baked the module's
     parameters in). ``advice`` maps a cause name to the fix in this variant's own terms.
@@ -148,6 +149,10 @@ class Built:
     notes: list[str] = field(default_factory=list)
     graph_params: int | None = None
     advice: dict[str, str] = field(default_factory=dict)
+    # The path's own model outputs on a batch, ``{"energy": (frames,), "force": (frames, atoms, 3),
+    # "virial": (frames, 3, 3)}``, for the physics check of this path (a trainer's compiled path).
+    predict: Callable[[Any], Mapping[str, torch.Tensor]] | None = None
+    module: torch.nn.Module | None = None  # compile_model: the compiled module the step is given
 
 
 @contextlib.contextmanager
@@ -290,6 +295,7 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
                 return weighted(compiled_model, batch, weights)
 
         built.run = run_model_compiled
+        built.module = compiled_model
         return built
     if variant.compiled:
         built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]

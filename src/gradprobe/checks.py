@@ -113,15 +113,64 @@ def physics_check(
     if not isinstance(batch, Mapping) or spec.coord_key not in batch:
         raise SpecError(f"the physics check needs a dict batch with coordinates under {spec.coord_key!r}")
     model64, b = _float64_copy(model, batch)
+    energy_fn, predict = spec.energy_fn, spec.predict
+    result = physics_of(
+        lambda x: energy_fn(model64, x), lambda x: predict(model64, x), b, spec, samples, h, seed
+    )
+    if result["failures"]:
+        result["cuts"] = _coordinate_cuts(spec, model64, b)
+    return result
+
+
+def path_physics(
+    spec: ProbeSpec, predict: Any, energy: Any, batch: Any, reference: Mapping[str, torch.Tensor] | None,
+    samples: int = 8, h: float = 1e-5, seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """The physics check of one execution path: ``predict(batch)`` gives that path's own forces (and
+    virial), ``energy(batch)`` its energies per frame; they are checked against finite differences of
+    that energy, and against the reference path's outputs (``reference``, allclose at 1e-10 of their
+    scale in float64). Runs at the batch's dtype: meaningful in float64 (the path is not copied)."""
+    result = physics_of(energy, predict, batch, spec, samples, h, seed)
+    if reference is not None:
+        with torch.enable_grad():
+            mine = predict(batch)
+        outputs = {}
+        for key in ("energy", "force", "virial"):
+            a, r = mine.get(key), reference.get(key)
+            if a is None or r is None:
+                continue
+            a, r = a.detach().reshape(-1).double(), r.detach().reshape(-1).double()
+            scale = float(r.abs().max()) or 1.0
+            outputs[key] = float((a - r).abs().max()) / scale if a.shape == r.shape else math.inf
+        result["outputs"] = outputs
+        for key, err in outputs.items():
+            if not err <= OUTPUT_RTOL:
+                result["failures"].append(
+                    f"{key} differs from the reference path's by {err:.2g} of its scale"
+                )
+        result["passed"] = not result["failures"]
+    return result
+
+
+# Outputs of two correct paths agree to this, relative to their scale, in float64.
+OUTPUT_RTOL = 1e-10
+
+
+def physics_of(
+    energy_of: Any, predict: Any, b: Mapping[str, Any], spec: ProbeSpec, samples: int, h: float, seed: int
+) -> dict[str, Any]:
+    """The finite-difference physics checks on one path's ``energy_of(batch)`` and ``predict(batch)``."""
     coord = b[spec.coord_key]
     with torch.enable_grad():
-        pred = spec.predict(model64, b)
+        pred = predict(b)
     force = pred["force"].detach()
-    nf, natoms, _ = force.shape
+    nf = force.shape[0]
+    force = force.reshape(nf, -1, 3)
+    natoms = force.shape[1]
 
     def energy(**changes: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return spec.energy_fn(model64, {**b, **changes}).detach()  # type: ignore[misc]
+        with torch.enable_grad():  # a path may take its forces by autograd.grad inside
+            return energy_of({**b, **changes}).detach().reshape(-1)
 
     g = torch.Generator().manual_seed(seed)
     picks = [(int(torch.randint(nf, (1,), generator=g)), int(torch.randint(natoms, (1,), generator=g)),
@@ -168,15 +217,14 @@ def physics_check(
             f"forces do not sum to zero: residual {residual:.3g} ({result['sum_rule']['relative']:.2g} relative)"
         )
     if spec.box_key is not None and spec.box_key in b and "virial" in pred:
-        result["virial"] = _virial(pred["virial"].detach(), energy, coord, b[spec.box_key], spec, h)
+        virial = pred["virial"].detach().reshape(nf, 3, 3)
+        result["virial"] = _virial(virial, energy, coord, b[spec.box_key], spec, h)
         if not result["virial"]["max_rel_error"] <= VIRIAL_RTOL:
             failures.append(
                 f"virial differs from the strain derivative by {result['virial']['max_rel_error']:.2g}"
             )
     result["failures"] = failures
     result["passed"] = not failures
-    if failures:
-        result["cuts"] = _coordinate_cuts(spec, model64, b)
     return result
 
 
@@ -214,9 +262,10 @@ def _virial(virial: torch.Tensor, energy: Any, coord: torch.Tensor, box: torch.T
     fd = torch.zeros_like(virial)
     for a in range(3):
         for c in range(3):
-            eps = torch.zeros(3, 3, dtype=coord.dtype)
+            eps = torch.zeros(3, 3, dtype=coord.dtype, device=coord.device)
             eps[a, c] = h
-            plus, minus = torch.eye(3, dtype=coord.dtype) + eps, torch.eye(3, dtype=coord.dtype) - eps
+            eye = torch.eye(3, dtype=coord.dtype, device=coord.device)
+            plus, minus = eye + eps, eye - eps
             e_plus = energy(**{spec.coord_key: coord @ plus.T, spec.box_key: box @ plus.T})  # type: ignore[dict-item]
             e_minus = energy(**{spec.coord_key: coord @ minus.T, spec.box_key: box @ minus.T})  # type: ignore[dict-item]
             fd[:, c, a] = -(e_plus - e_minus) / (2 * h)  # virial_ca = sum_i x_c F_a = -dE/de_ac
@@ -248,10 +297,13 @@ def training_check(
     curves: dict[str, dict[str, list[float]]] = {}
     verdicts: dict[str, dict[str, str]] = {}
     errors: dict[str, dict[str, str]] = {}
+    compiled_steps: dict[str, dict[str, int]] = {}  # steps in which the path's compiled code ran
+    moved: dict[str, dict[str, float]] = {}  # |p - p0|_1 / |p0|_1 of the copy after the steps
     for variant in variants:
         ctx = VariantContext(copy_model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
         built = build(variant, ctx)
         curves[variant.name], verdicts[variant.name], errors[variant.name] = {}, {}, {}
+        compiled_steps[variant.name], moved[variant.name] = {}, {}
         for s in alone:
             (term,) = s.terms
             with torch.no_grad():
@@ -263,11 +315,21 @@ def training_check(
                 if built.error is not None:
                     raise RuntimeError(f"{built.error.stage}: {built.error.message}")
                 assert built.run is not None
-                for _ in range(steps + 1):
+                counter = built.counter
+                for k in range(steps + 1):
                     reseed(spec.seed)
+                    executions = counter.executions if counter is not None else 0
                     total, values = check_total(
                         built.run(batch, make_weights(terms, s.terms, params[0])), terms
                     )
+                    if counter is not None:
+                        if counter.executions == executions:
+                            # A step that ran eager would train (and judge) eager, not this path.
+                            raise RuntimeError(
+                                f"step {k}: "
+                                + (getattr(counter, "fallback_message", None) or "no compiled code ran")
+                            )
+                        compiled_steps[variant.name][term] = k + 1
                     curve.append(float(values.get(term, total).detach()))
                     if len(curve) > steps:
                         break
@@ -286,6 +348,7 @@ def training_check(
                 continue
             curves[variant.name][term] = curve
             verdicts[variant.name][term] = _trend(curve)
+            moved[variant.name][term] = _moved(params, start)
     reference = curves.get(ref_name, {})
     divergence = {
         v: max((_curve_gap(c, reference.get(t)) for t, c in cs.items()), default=0.0)
@@ -299,8 +362,18 @@ def training_check(
         "verdicts": verdicts,
         "errors": errors,
         "divergence_from_reference": divergence,
+        "compiled_steps": {v: c for v, c in compiled_steps.items() if c},
+        "moved": moved,
         "passed": all(v == "decreases" for vs in verdicts.values() for v in vs.values()),
     }
+
+
+def _moved(params: Sequence[torch.Tensor], start: Sequence[torch.Tensor]) -> float:
+    """How far the steps moved the copy's parameters: |p - p0|_1 / |p0|_1 over all of them."""
+    with torch.no_grad():
+        diff = sum(float((p - p0).abs().sum()) for p, p0 in zip(params, start, strict=True))
+        base = sum(float(p0.abs().sum()) for p0 in start)
+    return diff / base if base else diff
 
 
 def _trend(curve: list[float]) -> str:

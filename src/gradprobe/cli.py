@@ -133,6 +133,10 @@ def load_spec(target: str, **kwargs: Any) -> Any:
     func_name = func_name or "spec"
     if not path.is_file():
         raise SpecError(f"spec file {str(path)!r} not found")
+    if path.suffix == ".json":
+        from .adapters.deepmd import adapter_from_input
+
+        return adapter_from_input(path)
     module_spec = importlib.util.spec_from_file_location(f"gradprobe_user_{path.stem}", path)
     if module_spec is None or module_spec.loader is None:
         raise SpecError(f"cannot import {str(path)!r} as a Python module")

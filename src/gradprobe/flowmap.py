@@ -83,6 +83,7 @@ class Run:
     # Against the reference's gradients of the same scenario, over all parameters at once:
     grad_cosine: float | None = None  # cosine of the two gradient vectors
     grad_scale: float | None = None  # |g|_2 / |g_ref|_2
+    metrics: dict[str, float | None] = field(default_factory=dict)  # a trainer's rmse etc. (not trained)
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,7 @@ class FlowMap:
                         x.count("compiled_graphs"),
                         x.number("grad_cosine", None),
                         x.number("grad_scale", None),
+                        x.numbers_by_name("metrics"),
                     )
                     for x in r.objects("runs")
                 ),

@@ -28,7 +28,7 @@ from .flowmap import RunError
 from .scenarios import Scenario
 from .state import reseed
 from .status import reduce_grads
-from .step import Weights, check_terms, check_total, make_weights
+from .step import Weights, check_terms, check_total, make_weights, metrics_of
 
 Grads = list[torch.Tensor | None]
 
@@ -50,6 +50,7 @@ class Measurement:
     excess: list[float | None] | None = None  # max(|g - g_ref| - rtol |g_ref|) per parameter (consistency)
     grad_cosine: float | None = None  # against the reference's gradients, all parameters at once
     grad_scale: float | None = None  # |g|_2 / |g_ref|_2
+    metrics: dict[str, float | None] = field(default_factory=dict)  # what the step reports beside its loss
 
 
 def run_error(stage: str, e: BaseException) -> RunError:
@@ -371,6 +372,9 @@ def _run_scenario(
     host = _host_values({"__total__": total, **values})
     m.total = host.pop("__total__")
     m.term_values = host
+    metrics = {k: v for k, v in metrics_of(out).items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    if metrics:
+        m.metrics = _host_values(metrics)
     if counter is not None:
         m.compiled_graphs = counter.graphs - graphs
     if counter is not None and counter.executions == executions:

@@ -230,6 +230,9 @@ def run_probe(
             )
         if "physics" in checks:
             results_of_checks["physics"] = _checked("physics", lambda: physics_check(spec, model, spec.batch))
+            paths = _physics_of_paths(spec, model, measured, builds, ref_name)
+            if paths:
+                results_of_checks["physics_paths"] = paths
         if "balance" in checks:
             results_of_checks["balance"] = _checked(
                 "balance",
@@ -246,6 +249,9 @@ def run_probe(
                 ),
             )
         evidence["dynamo"] = {name: w.to_dict() for name, w in watches.items()}
+        advice = {name: dict(b.advice) for name, b in builds.items() if b.advice}
+        if advice:  # a path's own words for a fix (a trainer adapter's), whatever the cause needs
+            evidence["advice"] = advice
         if diagnose_:
             from .evidence import collect
 
@@ -269,6 +275,48 @@ def run_probe(
         fm, bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence
     )
     return replace(fm, findings=tuple(diagnose(fm)))
+
+
+def _physics_of_paths(
+    spec: ProbeSpec,
+    model: torch.nn.Module,
+    measured: list[_Measured],
+    builds: Mapping[str, Built],
+    ref_name: str,
+) -> dict[str, Any]:
+    """The physics check of every path that gives its own forces (``Built.predict``; a model compiled
+    alone through ``spec.predict``), and its outputs against the reference's. In float64 only: the
+    path itself is checked, not a copy, and finite differences need the precision."""
+    from .checks import path_physics
+
+    out: dict[str, Any] = {}
+    if spec.energy_fn is None or spec.predict is None or not isinstance(spec.batch, Mapping):
+        return out
+    for x in measured:
+        built = builds.get(x.info.name)
+        if x.info.name == ref_name or built is None or built.error is not None:
+            continue
+        if built.predict is not None:
+            predict, energy = built.predict, (lambda b, p=built.predict: p(b)["energy"])
+        elif built.module is not None:
+            module = built.module
+            predict = lambda b, m=module: spec.predict(m, b)  # type: ignore[misc]  # noqa: E731
+            energy = lambda b, m=module: spec.energy_fn(m, b)  # type: ignore[misc]  # noqa: E731
+        else:
+            continue
+        if next(model.parameters()).dtype != torch.float64:
+            out[x.info.name] = {"skipped": "the model is not float64: finite differences on the path itself "
+                                "need float64 (the reference is checked on a float64 copy)"}  # fmt: skip
+            continue
+
+        def run(predict: Any = predict, energy: Any = energy) -> dict[str, Any]:
+            with torch.enable_grad():
+                reference = dict(spec.predict(model, spec.batch))  # type: ignore[misc]
+                reference.setdefault("energy", spec.energy_fn(model, spec.batch))  # type: ignore[misc]
+            return path_physics(spec, predict, energy, spec.batch, reference)
+
+        out[x.info.name] = _checked(f"physics ({x.info.name})", run)
+    return out
 
 
 def _checked(name: str, run: Any) -> dict[str, Any]:
@@ -462,7 +510,7 @@ def _flow_map(
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
             run = Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs,
-                      m.grad_cosine, m.grad_scale)  # fmt: skip
+                      m.grad_cosine, m.grad_scale, m.metrics)  # fmt: skip
             runs.append(run)
             if m.statuses is None or m.norms is None:
                 continue

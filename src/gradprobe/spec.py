@@ -52,6 +52,10 @@ class ProbeSpec:
             run (for steps that expect the caller to do it). The user's batch is never modified.
         notes: ``{parameter name or prefix: why it may legitimately get no gradient}``; shown in the
             report next to unreached parameters.
+        prefactor_schedule: for a trainer whose loss prefactors follow a schedule (DeePMD's move from
+            ``start_pref_*`` to ``limit_pref_*`` with the learning rate): ``{"now": {term: prefactor},
+            "limit": {term: prefactor}, "step": "what 'now' is"}``. The balance check is taken at the
+            step's prefactors ("now") and says whether a drowned term is still drowned at the limit.
         seed: the RNG seed set before every run, so stochastic ops draw the same in every run.
         variants: the execution paths this spec trains with (e.g. ``"eager,make_fx+compile:inductor"``);
             used when ``probe()`` is given none.
@@ -75,6 +79,7 @@ class ProbeSpec:
     box_key: str | None = "box"
     differentiable_inputs: Sequence[str] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
+    prefactor_schedule: Mapping[str, Any] | None = None
     seed: int = 0
     variants: str | Sequence[str] | None = None
     name: str = ""

@@ -85,9 +85,25 @@ def check_terms(out: Any, declared: Sequence[str] | None) -> dict[str, torch.Ten
     return {str(k): check_scalar(v, f"term {str(k)!r}") for k, v in out.items()}
 
 
+def metrics_of(out: Any) -> dict[str, Any]:
+    """The metrics a step reports beside its loss: the third item of ``(total, {term: value},
+    {metric: value})`` (a trainer's rmse, say: recorded per run, compared between paths, not trained)."""
+    if isinstance(out, tuple) and len(out) == 3 and isinstance(out[2], Mapping):
+        return {str(k): v for k, v in out[2].items()}
+    return {}
+
+
 def check_total(out: Any, terms: Sequence[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Validate a weights-mode step's output: ``total`` or ``(total, {term: value})``."""
+    """Validate a weights-mode step's output: ``total``, ``(total, {term: value})`` or
+    ``(total, {term: value}, {metric: value})`` (metrics: see ``metrics_of``)."""
     values: dict[str, torch.Tensor] = {}
+    if (
+        isinstance(out, tuple)
+        and len(out) == 3
+        and isinstance(out[1], Mapping)
+        and isinstance(out[2], Mapping)
+    ):
+        out = out[:2]
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         out, raw = out
         for k, v in raw.items():

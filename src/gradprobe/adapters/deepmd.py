@@ -69,6 +69,13 @@ _STRIP_ADVICE = (
 )
 
 
+_TYPE_ONE_SIDE_ADVICE = (
+    "this se_e2_a descriptor has type_one_side: false, and DeePMD 3.2's compiled path sorts atoms by type "
+    "with a data-dependent int() it cannot trace: set type_one_side: true in the descriptor (one embedding "
+    "net per neighbour type), or train it uncompiled (training.enable_compile: false)"
+)
+
+
 def _require_deepmd() -> Any:
     try:
         import deepmd.pt_expt.train.training as training
@@ -162,21 +169,60 @@ def se_e2_a_config(
     }
 
 
+def adapter_from_input(path: str | Path) -> DeepmdAdapter:
+    """A DeePMD input file (``dp --pt-expt train input.json``) as an adapter, for ``gradprobe run
+    input.json``: data paths relative to the file, as DeePMD resolves them; DeePMD's own output files
+    (lcurve, checkpoints) go to a temporary folder, not next to the input."""
+    import json
+
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(config, dict) or "model" not in config or "training" not in config:
+        raise SpecError(
+            f"{path}: not a DeePMD input (no 'model' and 'training' sections); gradprobe run takes a DeePMD "
+            "input.json or a Python spec file"
+        )
+    base = path.resolve().parent
+    training = config["training"]
+    for key in ("training_data", "validation_data"):
+        data = training.get(key)
+        if isinstance(data, dict) and "systems" in data:
+            systems = data["systems"]
+            listed = [systems] if isinstance(systems, str) else list(systems)
+            data["systems"] = [str(s) if Path(s).is_absolute() else str(base / s) for s in listed]
+    out = Path(tempfile.mkdtemp(prefix="gradprobe-deepmd-"))
+    training["disp_file"] = str(out / "lcurve.out")
+    training["save_ckpt"] = str(out / "model.ckpt")
+    return DeepmdAdapter.from_config(config)
+
+
 # --- the adapter ---------------------------------------------------------------------------------
 
 
 class _CompiledCounter:
     """Counts calls of DeePMD's compiled graph (``executions``) and graphs dynamo compiled (``graphs``)."""
 
-    fallback_message = (
-        "DeePMD's compiled graph did not run: _CompiledModel ran its eager original (it does so in eval "
-        "mode), so this run would measure eager against eager"
-    )
-
     def __init__(self) -> None:
         self.executions = 0
         self.graphs = 0
         self.traces = 0
+        self.training: bool | None = None  # the wrapper's mode in the last call
+
+    @property
+    def fallback_message(self) -> str:
+        """What happened when the compiled graph did not run, in the mode it did not run in."""
+        if self.training is False:
+            return (
+                "DeePMD's compiled graph did not run: the wrapper was in eval mode, where _CompiledModel runs "
+                "its eager original, so this run would measure eager against eager"
+            )
+        return (
+            "DeePMD's compiled graph did not run in this train-mode call: _CompiledModel ran eager code "
+            "instead (a dynamo fallback or a skipped frame), so this run would measure eager against eager"
+        )
 
 
 def _dynamo_graphs() -> int:
@@ -220,6 +266,38 @@ def _output_bias_notes(model: torch.nn.Module) -> dict[str, str]:
     return {name: why for _, name in last.values()}
 
 
+_PER_TYPE = re.compile(
+    r"^(?P<net>.*(?P<kind>fitting_net\.nets|descriptor\.embeddings)\._module_networks\.(?P<t>\d+))\."
+)
+
+
+def _absent_type_notes(model: torch.nn.Module, atype: torch.Tensor) -> dict[str, str]:
+    """Per-type networks (a fitting net per atom type; with ``type_one_side`` an embedding net per
+    neighbour type) of the types with no atom in the batch: no loss term can reach them there."""
+    try:
+        type_map = list(model.get_type_map())  # type: ignore[operator]
+    except Exception:
+        return {}
+    present = {int(t) for t in torch.unique(atype).tolist()}
+    notes: dict[str, str] = {}
+    for name, _ in model.named_parameters():
+        m = _PER_TYPE.match(name)
+        if m is None or int(m["t"]) in present or int(m["t"]) >= len(type_map):
+            continue
+        t = type_map[int(m["t"])]
+        what = (
+            "its fitting net"
+            if m["kind"].startswith("fitting")
+            else "the embedding net of neighbours of that type"
+        )
+        notes[m["net"]] = (
+            f"type {t} is absent from the batch (types present: "
+            f"{', '.join(type_map[i] for i in sorted(present) if i < len(type_map))}): {what} gets no gradient "
+            "from it; probe a batch with every type to see it trained"
+        )
+    return notes
+
+
 class DeepmdAdapter:
     """A DeePMD-kit ``pt_expt`` trainer seen through gradprobe's trainer protocol."""
 
@@ -256,7 +334,7 @@ class DeepmdAdapter:
         self.cur_lr = float(trainer.scheduler.get_last_lr()[0])
         self.compile_options = dict(compile_options or {})  # training.compile_options (inductor options)
         self._batches: list[Any] = []
-        self.notes: dict[str, str] = _output_bias_notes(self.model)
+        self._notes: dict[str, str] = _output_bias_notes(self.model)
 
     # construction -------------------------------------------------------------------------------
 
@@ -303,6 +381,19 @@ class DeepmdAdapter:
         return cls(trainer, terms=terms, compile_options=compile_options)
 
     # the protocol -----------------------------------------------------------------------------
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """Why parameters may get no gradient: the fitting nets' output biases, and the per-type
+        networks of every type the probed batch has no atom of ("type H is absent from the batch")."""
+        return {**self._notes, **_absent_type_notes(self.model, self.batch()["atype"])}
+
+    def types_present(self) -> list[str]:
+        """The type names of the atoms in the probed batch."""
+        type_map = list(self.model.get_type_map())
+        return [
+            type_map[int(t)] for t in torch.unique(self.batch()["atype"]).tolist() if int(t) < len(type_map)
+        ]
 
     def module(self) -> torch.nn.Module:
         return self.model
@@ -367,7 +458,28 @@ class DeepmdAdapter:
 
         periodic = self.batch().get("box") is not None
         return {"energy_fn": energy_fn, "predict": predict, "coord_key": "coord",
-                "box_key": "box" if periodic else None}  # fmt: skip
+                "box_key": "box" if periodic else None,
+                "prefactor_schedule": self.prefactor_schedule()}  # fmt: skip
+
+    def prefactor_schedule(self) -> dict[str, Any] | None:
+        """DeePMD's loss prefactors now (at the trainer's current learning rate) and at the end of its
+        schedule (``limit_pref_*``): pref = limit + (start - limit) * lr / start_lr."""
+        loss = self.loss_fn
+        start_lr = getattr(loss, "starter_learning_rate", None)
+        if not start_lr:
+            return None
+        short = {"energy": "e", "force": "f", "virial": "v"}
+        now, limit = {}, {}
+        for t in self.terms:
+            start, end = (
+                getattr(loss, f"start_pref_{short[t]}", None),
+                getattr(loss, f"limit_pref_{short[t]}", None),
+            )
+            if start is None or end is None:
+                return None
+            now[t] = float(end + (start - end) * self.cur_lr / start_lr)
+            limit[t] = float(end)
+        return {"now": now, "limit": limit, "step": f"the trainer's current step (lr {self.cur_lr:.3g})"}
 
     def labels(self, labels: Mapping[str, Any], weights: Mapping[str, torch.Tensor], inputs: Any) -> dict:
         """DeePMD's labels with each term's ``find_*`` switch set to its weight; synthetic zero labels
@@ -388,17 +500,34 @@ class DeepmdAdapter:
         return ModelWrapper(model, self.loss_fn, matmul_precision=self.trainer.matmul_precision)
 
     def _call(
-        self, wrapper: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
+        self, wrapper: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor], counter: Any = None
+    ) -> Any:
+        """DeePMD's loss through ``wrapper`` in train mode: ``(loss, {}, metrics)``, the metrics being
+        DeePMD's own ``more_loss`` (rmse_e, rmse_f, rmse_v, ...), recorded per run and path."""
         inputs = self.inputs(batch)
         with _train_mode(wrapper):
-            _, loss, _more = wrapper(
+            if counter is not None:
+                counter.training = wrapper.training
+            _, loss, more = wrapper(
                 **inputs, cur_lr=self.cur_lr, label=self.labels(batch["labels"], weights, inputs)
             )
-        return loss
+        metrics = {k: v for k, v in (more or {}).items() if isinstance(v, torch.Tensor) and v.numel() == 1}
+        return loss, {}, metrics
 
-    def loss(self, model: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The uncompiled path: DeePMD's ``ModelWrapper`` (model + loss) in train mode, on ``model``."""
+    def _outputs(self, wrapper: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """The path's energy per frame, forces and virial (for the physics check of that path)."""
+        inputs = self.inputs(batch)
+        nframes = inputs["atype"].shape[0]
+        with _train_mode(wrapper):
+            pred, _, _ = wrapper(**inputs, cur_lr=self.cur_lr, label=None)
+        out = {"energy": pred["energy"].reshape(-1), "force": pred["force"].reshape(nframes, -1, 3)}
+        if "virial" in pred:
+            out["virial"] = pred["virial"].reshape(nframes, 3, 3)
+        return out
+
+    def loss(self, model: torch.nn.Module, batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
+        """The uncompiled path: DeePMD's ``ModelWrapper`` (model + loss) in train mode, on ``model``:
+        ``(loss, {}, DeePMD's metrics)``."""
         return self._call(self._wrapper(model), batch, weights)
 
     def build(
@@ -422,20 +551,33 @@ class DeepmdAdapter:
         )
         training.Trainer._compile_model(stand_in, self.compile_options)
         counter = _CompiledCounter()
-        built = Built(counter=counter, graph_params=0, advice={"makefx-detach": _STRIP_ADVICE})
+        advice = {"makefx-detach": _STRIP_ADVICE}
+        descriptor = getattr(getattr(self.model, "atomic_model", None), "descriptor", None)
+        if getattr(descriptor, "type_one_side", None) is False:
+            advice["data-dependent-trace"] = _TYPE_ONE_SIDE_ADVICE
+        built = Built(counter=counter, graph_params=0, advice=advice)
         built.notes.append(f"DeePMD compiled path: detach={detach}, backend={backend}")
         finalize = self._finalize(training, detach, backend, counter, built)
 
-        def run(batch: Any, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        @contextlib.contextmanager
+        def compiling() -> Iterator[None]:  # DeePMD compiles lazily, on the first call
             original = training._finalize_compiled_lower
             training._finalize_compiled_lower = finalize
             try:
                 with _traced_with_source_lines():
-                    return self._call(wrapper, batch, weights)
+                    yield
             finally:
                 training._finalize_compiled_lower = original
 
-        built.run = run
+        def run(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
+            with compiling():
+                return self._call(wrapper, batch, weights, counter)
+
+        def predict(batch: Any) -> dict[str, torch.Tensor]:
+            with compiling():
+                return self._outputs(wrapper, batch)
+
+        built.run, built.predict = run, predict
         return built
 
     @staticmethod
@@ -509,4 +651,11 @@ class DeepmdAdapter:
         )
 
 
-__all__ = ["COMPILED_KNOBS", "TERMS", "DeepmdAdapter", "se_e2_a_config", "write_synthetic_system"]
+__all__ = [
+    "COMPILED_KNOBS",
+    "TERMS",
+    "DeepmdAdapter",
+    "adapter_from_input",
+    "se_e2_a_config",
+    "write_synthetic_system",
+]

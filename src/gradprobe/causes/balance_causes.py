@@ -19,15 +19,36 @@ def detect(fm: FlowMap) -> list[Finding]:
     if not b:
         return []
     out = []
+    schedule = b.get("prefactor_schedule") or {}
     for d in b["dominated"]:
+        by_design = d.get("share_at_limit") is not None and d["share_at_limit"] >= 0.01
+        when = (
+            f" at {schedule.get('step', 'the current step')} (prefactors "
+            + ", ".join(f"{t} {v:g}" for t, v in (schedule.get("now") or {}).items())
+            + ")"
+            if schedule
+            else ""
+        )
+        tail = (
+            "; the prefactor schedule ends at "
+            + ", ".join(f"{t} {v:g}" for t, v in (schedule.get("limit") or {}).items())
+            + f", where its share is {d['share_at_limit']:.1%}"
+            + (": drowned now by design of the schedule" if by_design else ": still drowned there")
+            if d.get("share_at_limit") is not None
+            else ""
+        )
         out.append(Finding(
-            "term-dominated", "warning",
-            f"term {d['term']} is drowned by {d['by']}: at most {d['share']:.2%} of the gradient in every group it "
-            f"reaches (best: {d['group']}), so it barely moves the parameters",
+            "term-dominated", "info" if by_design else "warning",
+            f"term {d['term']} is drowned by {d['by']}{when}: at most {d['share']:.2%} of the gradient in every group "
+            f"it reaches (best: {d['group']}), so it barely moves the parameters{tail}",
             evidence={"dominated": d, "shares": {t: b["shares"][t] for t in (d["term"], d["by"])}},
             location={"term": d["term"], "group": d["group"]},
-            fix=f"multiply the {d['term']} prefactor by about {d['prefactor_factor']:.3g} (for a 10% share in "
-            f"{d['group']}), or lower {d['by']}'s; with a prefactor schedule, check the values at the current step",
+            fix=(
+                "nothing to do if the schedule is intended: the term catches up as its prefactor grows"
+                if by_design
+                else f"multiply the {d['term']} prefactor by about {d['prefactor_factor']:.3g} (for a 10% share in "
+                f"{d['group']}), or lower {d['by']}'s; with a prefactor schedule, check the values at the current step"
+            ),
         ))  # fmt: skip
     for c in b["conflicts"]:
         if c["cosine"] >= -0.5:

@@ -67,3 +67,15 @@ class Explained:
     def add(self, evidence: Mapping) -> None:  # type: ignore[type-arg]
         self.runs.update((v, s) for v, s in evidence.get("runs") or ())
         self.parameters.update(evidence.get("parameters") or ())
+
+
+def physics_results(fm) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-def,type-arg]
+    """(path, physics check result) for the reference (``checks["physics"]``) and for every path checked
+    on its own forces (``checks["physics_paths"]``), failing or not; skipped paths left out."""
+    out = []
+    if fm.checks.get("physics"):
+        out.append((fm.reference, fm.checks["physics"]))
+    for v, r in (fm.checks.get("physics_paths") or {}).items():
+        if isinstance(r, dict) and not r.get("skipped"):
+            out.append((v, r))
+    return out

@@ -37,6 +37,7 @@ def detect(fm: FlowMap) -> list[Finding]:
         first = errors[0]
         assert first is not None
         at = first.where or {}
+        advice = ((fm.evidence.get("advice") or {}).get(v.name) or {}).get(CAUSE)
         findings.append(
             Finding(
                 CAUSE,
@@ -49,7 +50,8 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "error": first,
                 },
                 location={"variant": v.name, **at},
-                fix="keep the value a tensor at that line (torch.where or a mask instead of an `if` on a tensor; sizes "
+                fix=advice
+                or "keep the value a tensor at that line (torch.where or a mask instead of an `if` on a tensor; sizes "
                 "from the batch's shapes, not from its values); for torch.compile, "
                 "torch._dynamo.config.capture_scalar_outputs=True lets .item() into the graph. Next: a symbolic "
                 "trace of a data-dependent size needs torch._check(...) hints, or fixed (padded) sizes",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..flowmap import Finding, FlowMap
-from .common import where
+from .common import physics_results, where
 from .ghost_force_slice import signature as ghost_signature
 
 
@@ -26,14 +26,20 @@ def detect(fm: FlowMap) -> list[Finding]:
         result = fm.checks.get(name)
         if isinstance(result, dict) and result.get("error") and result.get("passed") is False:
             out.append(_could_not_run(name, str(result["error"])))
-    physics = fm.checks.get("physics")
-    if (
-        physics
-        and not physics.get("passed", True)
-        and not physics.get("error")
-        and not ghost_signature(physics)
-    ):
-        out.append(_not_conservative(fm, physics))
+    for path, physics in physics_results(fm):
+        if physics.get("passed", True):
+            continue
+        if physics.get("error"):
+            if path != fm.reference:  # the reference's own is reported above
+                out.append(_could_not_run(f"physics ({path})", str(physics["error"])))
+            continue
+        own = [f for f in physics.get("failures") or () if "reference path" not in f]
+        if own and not ghost_signature(physics):
+            out.append(_not_conservative(fm, path, physics))
+        if not own and len(
+            physics.get("failures") or ()
+        ):  # its own physics is right: only the outputs differ
+            out.append(_outputs_differ(fm, path, physics, _reference_fails(fm)))
     training = fm.checks.get("training")
     if training and not training.get("error"):
         out.extend(_training(fm, training))
@@ -52,11 +58,39 @@ def _could_not_run(name: str, error: str) -> Finding:
     )
 
 
-def _not_conservative(fm: FlowMap, physics: dict[str, Any]) -> Finding:
+def _reference_fails(fm: FlowMap) -> bool:
+    physics = fm.checks.get("physics") or {}
+    return bool(physics) and not physics.get("passed", True) and not physics.get("error")
+
+
+def _outputs_differ(fm: FlowMap, path: str, physics: dict[str, Any], reference_fails: bool) -> Finding:
+    outputs = physics.get("outputs") or {}
+    bad = {k: e for k, e in outputs.items() if not e <= 1e-10}
+    culprit = (
+        f"; {fm.reference} itself fails the physics check and {path} passes its own: the reference is the culprit"
+        if reference_fails
+        else ""
+    )
+    return Finding(
+        "outputs-differ",
+        "warning" if culprit else "error",
+        f"{path}'s own "
+        + ", ".join(f"{k} (by {e:.2g} of its scale)" for k, e in bad.items())
+        + f" differ from {fm.reference}'s on the same batch: the two paths compute different physics"
+        + culprit,
+        evidence={"variant": path, "outputs": outputs},
+        location={"check": "physics", "variant": path, "outputs": list(bad)},
+        fix="compare the two paths' energy, forces and virial on one batch: a fold, a unit or a sign that "
+        "differs between them (the physics check says which path is not -dE/dx)",
+    )
+
+
+def _not_conservative(fm: FlowMap, path: str, physics: dict[str, Any]) -> Finding:
     cuts = physics.get("cuts") or []
+    own = [f for f in physics.get("failures") or () if "reference path" not in f]
     message = (
-        f"{fm.reference}: "
-        + "; ".join(physics.get("failures") or ["the physics check fails"])
+        f"{path}: "
+        + "; ".join(own or ["the physics check fails"])
         + " — forces that are not minus the gradient of the energy do not train a potential"
     )
     if cuts:
@@ -69,8 +103,10 @@ def _not_conservative(fm: FlowMap, physics: dict[str, Any]) -> Finding:
         "forces-not-conservative",
         "error",
         message,
-        evidence={"physics": physics, "cuts": cuts, "variant": fm.reference},
-        location={**cuts[0], "check": "physics"} if cuts else {"check": "physics", "variant": fm.reference},
+        evidence={"physics": physics, "cuts": cuts, "variant": path},
+        location={**cuts[0], "check": "physics", "variant": path}
+        if cuts
+        else {"check": "physics", "variant": path},
         fix="compute forces as -autograd.grad(E, coordinates) of the very energy that is trained, with nothing "
         "detached on the way from the coordinates to the energy; fold ghost-atom forces back with scatter_add",
     )

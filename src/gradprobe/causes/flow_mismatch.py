@@ -79,7 +79,7 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                 f" — but {fm.reference} itself fails the physics check (its forces are not -dE/dx): the "
                 f"reference is the culprit; {v} may well be the right one"
             )
-            fix = f"fix {fm.reference} first (see forces-not-conservative), then compare again"
+            fix = f"fix {fm.reference} first (see the physics findings), then compare again"
         findings.append(
             Finding(
                 CAUSE,

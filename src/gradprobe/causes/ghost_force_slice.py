@@ -5,6 +5,7 @@ scatter-summed onto their local atoms through ``mapping``. Evidence comes from t
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
+from .common import physics_results
 
 CAUSE = "ghost-force-slice"
 
@@ -19,24 +20,32 @@ def signature(physics: dict) -> bool:  # type: ignore[type-arg]
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    physics = fm.checks.get("physics")
-    if not physics or physics.get("passed", True) or physics.get("error") or not signature(physics):
-        return []
+    failing = [
+        (path, physics)
+        for path, physics in physics_results(fm)
+        if not physics.get("passed", True) and not physics.get("error") and signature(physics)
+    ]
+    if failing and failing[0][0] == fm.reference:
+        # The reference has it: the paths that share its code show the same slice; one finding.
+        return [_finding(", ".join(p for p, _ in failing), failing[0][1], [])]
+    # A path that slices where the reference does not: its differing gradients are this, too.
+    return [_finding(path, physics, [[path, s] for s in fm.scenario_names]) for path, physics in failing]
+
+
+def _finding(path: str, physics: dict, runs: list[list[str]]) -> Finding:  # type: ignore[type-arg]
     force, sum_rule = physics.get("force", {}), physics.get("sum_rule", {})
     worst = force.get("worst", {})
-    return [
-        Finding(
-            CAUSE,
-            "error",
-            f"forces are not -dE/dx: off by up to {force['max_rel_error']:.0%} of the force scale (frame "
-            f"{worst.get('frame')}, atom {worst.get('atom')}, {worst.get('direction')}: {worst.get('force', 0):.6g} vs "
-            f"{worst.get('finite_difference', 0):.6g} by finite differences), and they do not sum to zero "
-            f"(residual {sum_rule['max_residual']:.3g}), while every gradient count agrees: forces on periodic "
-            "images (ghost atoms) are most likely sliced off (extended_force[:, :nloc]) instead of summed onto "
-            "their local atoms",
-            evidence={"physics": physics},
-            location={"check": "physics"},
-            fix="fold extended forces back with scatter_add through mapping: "
-            "torch.zeros_like(f[:, :nloc]).scatter_add(1, mapping[..., None].expand(-1, -1, 3), extended_force)",
-        )
-    ]
+    return Finding(
+        CAUSE,
+        "error",
+        f"{path}: forces are not -dE/dx: off by up to {force['max_rel_error']:.0%} of the force scale (frame "
+        f"{worst.get('frame')}, atom {worst.get('atom')}, {worst.get('direction')}: {worst.get('force', 0):.6g} vs "
+        f"{worst.get('finite_difference', 0):.6g} by finite differences), and they do not sum to zero "
+        f"(residual {sum_rule['max_residual']:.3g}), while every gradient count agrees: forces on periodic "
+        "images (ghost atoms) are most likely sliced off (extended_force[:, :nloc]) instead of summed onto "
+        "their local atoms",
+        evidence={"physics": physics, "variant": path, "runs": runs},
+        location={"check": "physics", "variant": path},
+        fix="fold extended forces back with scatter_add through mapping: "
+        "torch.zeros_like(f[:, :nloc]).scatter_add(1, mapping[..., None].expand(-1, -1, 3), extended_force)",
+    )

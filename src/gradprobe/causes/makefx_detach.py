@@ -64,9 +64,13 @@ def detect(fm: FlowMap) -> list[Finding]:
 
 
 def _first_node(site: dict[str, Any]) -> str:
+    what = f" ({site['detail']})" if site.get("detail") else ""
     if site.get("file"):
-        return f"first {site.get('node')} at {where(site)}"
-    return f"first {site.get('node')} (the trace kept no stack traces: trace with record_stack_traces=True for the line)"
+        return f"first {site.get('node')}{what} at {where(site)}"
+    return (
+        f"first {site.get('node')}{what} (the trace kept no stack traces: trace with record_stack_traces=True "
+        "for the line)"
+    )
 
 
 def _finding(

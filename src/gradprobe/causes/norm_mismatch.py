@@ -22,6 +22,68 @@ SCALE_TOL = 1e-3
 
 
 def detect(fm: FlowMap) -> list[Finding]:
+    return _terms(fm) + _metrics(fm)
+
+
+def _constant_ratio(pairs: list[tuple[float | None, float | None]]) -> float | None:
+    """The common ratio a/b of the pairs where both are known and b is not 0; None if it varies."""
+    # A metric of a switched-off term is NaN or 0 (DeePMD reports it so): those runs say nothing.
+    known = [
+        (a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+    ]
+    ratios = [a / b for a, b in known if b != 0.0]
+    if not ratios or not all(math.isfinite(r) for r in ratios):
+        return None
+    factor = ratios[0]
+    return factor if all(abs(r - factor) <= RATIO_TOL * abs(factor) for r in ratios) else None
+
+
+def _metrics(fm: FlowMap) -> list[Finding]:
+    """A metric the step reports beside its loss (a trainer's rmse) at a constant factor of the
+    reference's in every run: the paths normalise what they report differently. Metrics are not
+    trained, so the value ratio is the whole evidence (and no gradient is claimed to differ)."""
+    findings = []
+    ref = fm.reference
+    for v in fm.variant_names:
+        if v == ref:
+            continue
+        names = sorted({k for s in fm.scenario_names for k in fm.run(v, s).metrics})
+        for metric in names:
+            pairs = [
+                (fm.run(v, s).metrics.get(metric), fm.run(ref, s).metrics.get(metric))
+                for s in fm.scenario_names
+            ]
+            factor = _constant_ratio(pairs)
+            if factor is None or abs(factor - 1.0) <= RATIO_TOL:
+                continue
+            runs = [
+                s
+                for s, (a, b) in zip(fm.scenario_names, pairs, strict=True)
+                if a is not None and b and math.isfinite(a) and math.isfinite(b)
+            ]
+            if any(fm.differences(v, s) or fm.run(v, s).error for s in runs):
+                continue  # the gradients differ too: the metric follows them, not a normalisation
+            findings.append(
+                Finding(
+                    CAUSE,
+                    "error",
+                    f"metric {metric} is {factor:.6g}× its {ref} value in {v}, in every run where it is reported "
+                    f"({', '.join(runs)}): the two paths normalise {metric} differently (a reported metric, not a "
+                    "trained term: the gradients are not affected, the training curves are)",
+                    evidence={
+                        "variant": v,
+                        "metric": metric,
+                        "factor": factor,
+                        "metric_runs": runs_of(v, runs),
+                    },
+                    location={"variant": v, "metric": metric},
+                    fix=f"align how {metric} is normalised (per atom, per frame, mean vs sum) between the paths",
+                )
+            )
+    return findings
+
+
+def _terms(fm: FlowMap) -> list[Finding]:
     findings = []
     ref = fm.reference
     for v in fm.variant_names:

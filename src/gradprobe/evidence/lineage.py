@@ -99,7 +99,7 @@ class CutSite:
     id: int
     kind: str
     op: str
-    module: str  # innermost running module of the model ("" = the root)
+    module: str | None  # innermost running module of the model ("" = the root; None: unknown, a graph node)
     module_type: str
     file: str
     line: int
@@ -200,9 +200,16 @@ class _Site:
 
     def frozen(self, names_of: Callable[[int], tuple[str, ...]]) -> CutSite:
         at = self.at
+        detail = self.detail
+        if at.get("input_op"):  # a graph node: what it cuts (a detach of a saved tanh output, say)
+            detail = (
+                f"{detail}; on the output of {at['input_op']}"
+                if detail
+                else f"on the output of {at['input_op']}"
+            )
         return CutSite(
             self.id, self.kind, self.op, at["module"], at["module_type"], at["file"], at["line"], at["code"],
-            names_of(self.bits), at.get("container", "python"), at.get("node"), self.detail, self.feeds_backward,
+            names_of(self.bits), at.get("container", "python"), at.get("node"), detail, self.feeds_backward,
         )  # fmt: skip
 
 
@@ -277,14 +284,19 @@ class _Recorder:
             if nodes is None:
                 nodes = self.node_cache[id(gm)] = {n.name: n for n in gm.graph.nodes}
             node = nodes.get(node_name)
+        # The running module says nothing about a graph node (the whole graph runs inside one call):
+        # the node's own module stack, when the trace recorded one, does.
         out: dict[str, Any] = {
-            "module": module, "module_type": mtype, "file": "", "line": 0, "code": code.strip(),
+            "module": None, "module_type": "", "file": "", "line": 0, "code": code.strip(),
             "container": "fx", "node": node_name,
         }  # fmt: skip
         if node is not None:
             user = user_frame(node.meta.get("stack_trace"))
             if user is not None:
                 out.update(file=user["file"], line=user["line"], code=user["code"])
+            producer = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            if producer is not None and producer.op == "call_function":
+                out["input_op"] = f"{getattr(producer.target, '__name__', producer.target)} ({producer.name})"
             stack = node.meta.get("nn_module_stack") or {}
             if stack:
                 path, cls = list(stack.values())[-1]

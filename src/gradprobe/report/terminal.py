@@ -284,6 +284,24 @@ def check_lines(fm: FlowMap) -> list[str]:
             f"physics ({p['samples']} finite-difference samples, float64): {head} — " + ", ".join(parts)
         )
         lines.extend(f"  {failure}" for failure in p["failures"])
+    for v, r in (checks.get("physics_paths") or {}).items():
+        if r.get("skipped") or r.get("error"):
+            lines.append(f"physics, {v}: not run — {r.get('skipped') or r.get('error')}")
+            continue
+        parts = [
+            f"force vs -dE/dx {r['force']['max_rel_error']:.2g}",
+            f"sum rule {r['sum_rule']['relative']:.2g}",
+        ]
+        if "virial" in r:
+            parts.append(f"virial vs strain {r['virial']['max_rel_error']:.2g}")
+        if r.get("outputs"):
+            parts.append(
+                "outputs vs the reference's " + ", ".join(f"{k} {e:.2g}" for k, e in r["outputs"].items())
+            )
+        lines.append(
+            f"physics, {v} (its own forces): {'PASS' if r['passed'] else 'FAIL'} — " + ", ".join(parts)
+        )
+        lines.extend(f"  {failure}" for failure in r["failures"])
     for v, entry in (checks.get("shape_sweep") or {}).items():
         result = entry["error"] or (
             f"{len(entry['mismatched'])} gradient(s) differ" if entry["mismatched"] else "matches eager"
