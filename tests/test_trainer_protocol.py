@@ -194,3 +194,20 @@ def test_a_build_without_model_cannot_be_trained_on_a_copy_and_says_so(example) 
     assert fm.count("tiny:compiled[backend=eager]", "fit only") == (4, 6)  # the probe itself works
     (f,) = [f for f in fm.errors() if f.cause == "check-could-not-run"]
     assert "build() takes no model" in f.message and "build(configuration, knobs, model)" in f.message
+
+
+def test_the_bisector_tries_the_cheapest_backend_first(example) -> None:  # type: ignore[no-untyped-def]
+    # The path compiles with aot_eager and detaches the trunk for aux. The first trial is the cheaper
+    # backend (eager): the failure reproduces there, so the trainer's own knob is flipped on eager, and
+    # the fix is verified once on aot_eager.
+    adapter = example.TinyTrainerAdapter(example.TinyTrainer())
+    fm = probe_trainer(adapter, knobs={"compiled": {"detach_aux": True}}, diagnose=True)
+    bis = fm.bisection("tiny:compiled[detach_aux=true]")
+    assert bis is not None
+    assert [(t["knob"], t["variant"], t["ok"]) for t in bis["trials"]] == [
+        ("backend", "tiny:compiled[detach_aux=true,backend=eager]", False),
+        ("detach_aux", "tiny:compiled[backend=eager]", True),
+        ("fix", "tiny:compiled", True),
+    ]
+    assert bis["culprit"] == {"knob": "detach_aux", "change": "detach_aux=true → false"}
+    assert bis["fix"] == {"variant": "tiny:compiled", "ok": True} and bis["irrelevant"] == ["backend"]

@@ -128,21 +128,64 @@ def _user_flips(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, V
     """A user variant (a trainer's own compiled path): flip each of its declared knobs to each other
     allowed value, one at a time from the failing setting, in the order declared; the first flip that
     restores the flow is the culprit and its variant the verified fix. It stops there: each trial of a
-    trainer's configuration may be a full compile (minutes with inductor)."""
+    trainer's configuration may be a full compile (minutes with inductor).
+
+    Cheapest backend first: when the path declares a ``backend`` knob set to an expensive backend and
+    allows a cheaper one (``eager`` < ``aot_eager`` < ``aot_eager_decomp_partition`` < ``inductor``),
+    the first trial is that cheaper backend. If it restores the flow, the backend is the culprit; if the
+    failure reproduces there, the other knobs are flipped on it (cheap trials) and the fix found is
+    verified once on the path's own backend."""
     from ..variants import _spell, with_user_knobs
 
+    base = failing
+    cheap = _cheaper_backend(failing)
+    if cheap is not None:
+        current = failing.knob("backend")
+        change = f"backend={_spell(current)} → {_spell(cheap)}"
+        on_cheap = with_user_knobs(failing, backend=cheap)
+        if trial("backend", change + " (cheapest first)", on_cheap):
+            b.culprit = {"knob": "backend", "change": change}
+            b.fix = {"variant": on_cheap.name, "ok": True}
+            return
+        base = on_cheap  # it fails on the cheap backend too: bisect there
+        b.irrelevant.append("backend")
     for knob, (_default, allowed) in failing.user_knobs.items():
-        current = failing.knob(knob)
+        if knob == "backend" and base is not failing:
+            continue
+        current = base.knob(knob)
         for value in allowed:
             if value == current:
                 continue
             change = f"{knob}={_spell(current)} → {_spell(value)}"
-            flipped = with_user_knobs(failing, **{knob: value})
+            flipped = with_user_knobs(base, **{knob: value})
             if trial(knob, change, flipped):
                 b.culprit = {"knob": knob, "change": change}
-                b.fix = {"variant": flipped.name, "ok": True}
+                if base is failing:
+                    b.fix = {"variant": flipped.name, "ok": True}
+                else:  # found on the cheap backend: verified once on the path's own
+                    fixed = with_user_knobs(failing, **{knob: value})
+                    b.fix = {
+                        "variant": fixed.name,
+                        "ok": trial("fix", f"{failing.name} → {fixed.name}", fixed),
+                    }
                 return
         b.irrelevant.append(knob)
+
+
+_COST = {name: i for i, name in enumerate(BACKENDS)}  # eager, aot_eager, aot_eager_decomp_partition, inductor
+
+
+def _cheaper_backend(v: VariantSpec) -> Any:
+    """The cheapest value of a user knob named ``backend`` below its current one, if both are known
+    backends; else None."""
+    if "backend" not in v.user_knobs:
+        return None
+    current = v.knob("backend")
+    allowed = [a for a in v.user_knobs["backend"][1] if a in _COST]
+    if current not in _COST or not allowed:
+        return None
+    cheapest = min(allowed, key=_COST.__getitem__)
+    return cheapest if _COST[cheapest] < _COST[current] else None
 
 
 def _generic_flips(
