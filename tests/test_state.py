@@ -1,6 +1,7 @@
 """The probe leaves the user's model exactly as it found it."""
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,35 @@ def test_batch_is_not_modified_by_differentiable_inputs():
 
     gradprobe.probe(model, f, batch, differentiable_inputs=["x"])
     assert not batch["x"].requires_grad
+
+
+class _GradIsTheInput(torch.autograd.Function):
+    """A custom function whose backward hands back a tensor it saved from the batch, as is."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return (w * x).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return x, None  # right for grad == 1, and the very tensor of the user's batch
+
+
+def test_a_gradient_that_is_the_users_batch_is_never_written_into():
+    # Summing the two terms' gradients for "all" must not accumulate into the first one in place:
+    # autograd returned the user's batch tensor itself as that gradient.
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.ones(3))
+    batch = torch.tensor([1.0, 2.0, 3.0])
+
+    def step(m: nn.Module, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": _GradIsTheInput.apply(m.weight, b), "b": _GradIsTheInput.apply(m.weight, b)}
+
+    fm = gradprobe.probe(model, step, batch)
+    assert torch.equal(batch, torch.tensor([1.0, 2.0, 3.0]))
+    assert fm.cell("eager", "all", "weight").norm == pytest.approx(12.0)
 
 
 class Tied(nn.Module):
