@@ -151,6 +151,32 @@ def test_a_large_float32_gradient_has_a_finite_norm():
     assert cell.norm == pytest.approx(1e40, rel=1e-5)
 
 
+# ---------------------------------------------------------------------------- non-finite values
+@pytest.mark.parametrize("mode", ["terms", "weights"])
+def test_a_nan_term_with_finite_gradients_is_an_error(mode):
+    # The NaN enters through a part without gradient (a label, a detached tensor): every gradient is
+    # finite, and still the loss the user trains on is NaN.
+    model = nn.Linear(3, 1)
+    label = torch.tensor(math.nan)
+
+    def terms(m: nn.Module, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"fit": m(b).pow(2).mean(), "bad": m.bias.sum() + label}
+
+    def weighted(m: nn.Module, b: torch.Tensor, w: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        t = terms(m, b)
+        return w["fit"] * t["fit"] + w["bad"] * t["bad"], t
+
+    fm = gradprobe.probe(
+        model, terms if mode == "terms" else weighted, torch.ones(4, 3), terms=["fit", "bad"]
+    )
+    assert {c.status for c in fm.cells} <= {"none", "zero", "nonzero"}  # the gradients are finite
+    found = [f for f in fm.findings if f.cause == "nonfinite-term"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert "bad" in found[0].message and "nan" in found[0].message
+    assert fm.exit_code == 1
+    assert "PROBLEM" in gradprobe.render(fm)
+
+
 # ---------------------------------------------------------------------------- sparse gradients
 class SparseEmbedding(nn.Module):
     def __init__(self) -> None:
