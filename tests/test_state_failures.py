@@ -504,6 +504,26 @@ def test_training_check_never_steps_the_users_optimizer(world):
             assert torch.equal(after["state"][k][n], v), (k, n)
 
 
+def test_an_optimizer_factory_never_gets_the_users_parameters(world):
+    # A factory that registers hooks on what it is given (an optimizer-in-backward pattern): they land
+    # on gradprobe's stand-ins, never on the user's parameters.
+    given: list[torch.Tensor] = []
+
+    def factory(params):
+        given.extend(params)
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        return torch.optim.SGD(params, lr=0.1)
+
+    fm = gradprobe.probe(world.model, terms_of, BATCH, optimizer=factory, checks=["balance", "training"])
+    assert fm.checks["balance"]["optimizer"]["optimizer"] == "SGD"
+    assert fm.checks["training"]["optimizer"] == "SGD"
+    mine = {id(p) for p in world.model.parameters()}
+    assert given and not any(id(p) in mine for p in given)
+    assert all(not p._post_accumulate_grad_hooks for p in world.model.parameters())
+    world.assert_unchanged()
+
+
 # ---------------------------------------------------------------------------- how often the step runs
 @pytest.mark.parametrize(
     ("options", "calls"),

@@ -271,8 +271,12 @@ def check_lines(fm: FlowMap) -> list[str]:
         lines.append(
             f"consistency vs {fm.reference} (rtol {c['rtol']:g}, atol {c['atol']:g}): " + "; ".join(parts)
         )
+    for name in ("physics", "balance", "training"):  # a check that raised: its error, nothing else
+        result = checks.get(name)
+        if isinstance(result, dict) and result.get("error"):
+            lines.append(f"{name}: could not run — {result['error']}")
     p = checks.get("physics")
-    if p:
+    if p and not p.get("error"):
         head = "PASS" if p["passed"] else "FAIL"
         parts = [
             f"force vs -dE/dx {p['force']['max_rel_error']:.2g}",
@@ -290,7 +294,7 @@ def check_lines(fm: FlowMap) -> list[str]:
         )
         lines.append(f"shape sweep, {v}: {result}")
     b = checks.get("balance")
-    if b:
+    if b and not b.get("error"):
         groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
         width = max(len("term"), *(len(t) for t in b["shares"])) + 2
         cols = [max(len(g), 7) + 2 for g in groups]
@@ -309,8 +313,11 @@ def check_lines(fm: FlowMap) -> list[str]:
                 f"  one {b['effective_update']['optimizer']} step, each term alone vs all together (cosine): "
                 + ", ".join(f"{t} {u['cosine_with_joint']:.2f}" for t, u in update.items())
             )
+        lines.extend(
+            f"  balance ({part}): could not run — {error}" for part, error in (b.get("errors") or {}).items()
+        )
     t = checks.get("training")
-    if t:
+    if t and not t.get("error"):
         lines.append(f"training ({t['steps']} {t['optimizer']} steps per term, on a copy):")
         for v, verdicts in t["verdicts"].items():
             gap = t["divergence_from_reference"].get(v)
