@@ -136,6 +136,8 @@ def test_checks_copy_a_model_holding_computed_tensors(kind):
     assert not [f for f in fm.findings if f.cause == "check-could-not-run"], [f.message for f in fm.findings]
     assert fm.checks["training"]["verdicts"]["eager"] == {"fit": "decreases", "reg": "decreases"}
     assert set(fm.checks["balance"]["effective_update"]["terms"]) == {"fit", "reg"}
+    after = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    assert len(after) == len(held) and all(a is b for a, b in zip(after, held, strict=True))
 
 
 def test_a_step_that_raises_on_a_later_call_in_the_balance_check_is_recorded():
