@@ -20,6 +20,7 @@ from typing import Any
 from . import __version__
 from .errors import GradProbeError, SpecError
 from .flowmap import FlowMap
+from .report.controls import visible
 from .report.terminal import render
 from .spec import ProbeSpec
 
@@ -251,7 +252,7 @@ def _report(
 ) -> int:
     sys.stdout.write(render(fm, show_all=show_all))
     if extra:
-        sys.stdout.write("\n" + extra)
+        sys.stdout.write("\n" + visible(extra))
     if json_path:
         try:
             fm.to_json(json_path)
@@ -400,7 +401,7 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
             code = fm.exit_code
     except GradProbeError as e:
         if rank == 0:
-            sys.stderr.write(f"gradprobe: error: {e}\n")
+            sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         code = EXIT_USAGE
     finally:
         status = os.environ.get(STATUS_FILE_ENV)
@@ -470,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:
-        sys.stderr.write(f"gradprobe: error: {e}\n")
+        sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         return EXIT_USAGE
 
 

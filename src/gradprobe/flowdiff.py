@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from .flowmap import Cell, FlowMap, Run, RunError
+from .report.controls import visible
 from .status import NONE, ZERO
 
 NOT_REACHED = "not reached"  # none and zero, which are the same flow
@@ -89,7 +90,7 @@ class FlowDiff:
 
     def render(self, limit: int = 200) -> str:
         """Plain text: a headline, then each kind of change, one line per changed cell or run."""
-        return "\n".join(_render(self, limit)) + "\n"
+        return visible("\n".join(_render(self, limit)) + "\n")
 
 
 def flow_class(status: str) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..flowmap import Finding, FlowMap, Run
+from .controls import visible
 from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 SYMBOL = {"nan": "N", "inf": "∞", "zero": "0", "failed": "×", "wrong": "≠", "missing": "−", "extra": "+"}
@@ -391,7 +392,7 @@ def render_html(fm: FlowMap) -> str:
     """The whole report as one self-contained HTML page."""
     sections = (_header, _findings, _summary, _heatmap, _norm_charts, _checks, _diffs, _environment)
     body = "".join(section(fm) for section in sections)
-    return (
+    return visible(
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>gradprobe: {esc(verdict(fm))}</title><style>{CSS}</style></head>"

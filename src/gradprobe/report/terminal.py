@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from ..causes.common import names, note_for
 from ..causes.flow_mismatch import mismatch_summary
 from ..flowmap import Finding, FlowMap, RunError
+from .controls import visible
 
 LABEL_WIDTH = 23
 PROBLEM = "<-- problem"
@@ -396,4 +397,4 @@ def render(fm: FlowMap, *, show_all: bool = False) -> str:
         out.append("")
         for f in info:
             out.extend(finding_lines(f))
-    return "\n".join(out) + "\n"
+    return visible("\n".join(out) + "\n")
