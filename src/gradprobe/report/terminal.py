@@ -122,10 +122,11 @@ def diff_lines(
     ref = fm.reference
     cells = fm.cells_of(variant, scenario)
     ref_cells = fm.cells_of(ref, scenario)
+    trainable = fm.trainable_set
     rows = [
         (p, ref_cells[p].status if p in ref_cells else "-", c.status, c.rel_error, c.verdict)
         for p, c in cells.items()
-        if p in fm.trainable and (show_all or c.verdict not in (None, "match"))
+        if p in trainable and (show_all or c.verdict not in (None, "match"))
     ]
     if not rows:
         return []
@@ -239,7 +240,10 @@ def dynamo_facts(fm: FlowMap, variant: str) -> str:
 def _agreement(fm: FlowMap, variant: str) -> str:
     """'matches eager on all 56 cells (max rel. error 8.9e-16)', or how many cells differ."""
     cells = [
-        c for s in fm.scenario_names for c in fm.cells_of(variant, s).values() if c.parameter in fm.trainable
+        c
+        for s in fm.scenario_names
+        for c in fm.cells_of(variant, s).values()
+        if c.parameter in fm.trainable_set
     ]
     failed = sum(fm.run(variant, s).error is not None for s in fm.scenario_names)
     differing = sum(c.verdict not in (None, "match") for c in cells)
