@@ -111,3 +111,85 @@ def test_step_error_before_terms_known():
     err = fm.run("eager", "e only").error
     assert (err.stage, err.type, err.message) == ("forward", "ValueError", "bad batch")
     assert fm.exit_code == 1
+
+
+def _fit(m, b):
+    return {"e": m(b).sum()}
+
+
+def test_a_model_on_the_meta_device():
+    with pytest.raises(SpecError, match=r"meta device.*to_empty"):
+        gradprobe.probe(nn.Linear(2, 1, device="meta"), _fit, torch.ones(4, 2))
+
+
+def test_an_uninitialised_lazy_module():
+    with pytest.raises(SpecError, match=r"uninitialized.*LazyLinear.*one forward"):
+        gradprobe.probe(nn.Sequential(nn.LazyLinear(1)), _fit, torch.ones(4, 2))
+
+
+def test_a_model_class_instead_of_an_instance():
+    with pytest.raises(SpecError, match=r"model is the class Linear.*Linear\(\.\.\.\).*TypeError"):
+        gradprobe.probe(nn.Linear, _fit, torch.ones(4, 2))
+
+
+def test_a_model_factory_that_raises():
+    def factory():
+        raise OSError("checkpoint.pt not found")
+
+    with pytest.raises(SpecError, match=r"the model factory raised OSError: checkpoint.pt not found"):
+        gradprobe.probe(factory, _fit, torch.ones(4, 2))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("seed", 2**70, r"seed must be an integer from 0 to 2\*\*64 - 1, got 1180591620717411303424"),
+        ("seed", 1.5, r"seed must be an integer .*got 1.5"),
+        ("seed", True, r"seed must be an integer"),
+        ("notes", ["aux_head"], r"notes must be a mapping .*\{'aux_head': 'why'\}"),
+        ("clip_grad_norm", "1.0", r"clip_grad_norm must be a positive number .*got the string '1.0'"),
+        ("clip_grad_norm", -1.0, r"clip_grad_norm must be a positive number"),
+        ("optimizer", "adam", r"optimizer must be .*got the string 'adam'.*torch.optim.Adam\(params"),
+        (
+            "differentiable_inputs",
+            "coord",
+            r"differentiable_inputs must be a list of batch keys.*\['coord'\]",
+        ),
+    ],
+)
+def test_spec_fields_of_the_wrong_type(field, value, message):
+    with pytest.raises(SpecError, match=message):
+        gradprobe.ProbeSpec(model=lin(), step=_fit, batch=torch.ones(4, 2), **{field: value})
+
+
+def test_checks_as_a_string():
+    with pytest.raises(
+        SpecError, match=r"checks must be a list of names, got the string 'physics'.*\['physics'\]"
+    ):
+        gradprobe.probe(lin(), _fit, torch.ones(4, 2), checks="physics")
+
+
+def test_the_edges_of_the_seed_range_are_accepted():
+    for seed in (0, 2**64 - 1):
+        fm = gradprobe.probe(lin(), _fit, torch.ones(4, 2), seed=seed)
+        assert fm.count("eager", "e only") == (2, 2)
+
+
+def test_a_probe_inside_inference_mode_leaves_it_and_measures():
+    # enable_grad does not leave inference mode: without leaving it, nothing would be reached.
+    model, x = lin(), torch.ones(4, 2)
+    with torch.inference_mode():
+        fm = gradprobe.probe(model, _fit, x, checks=["training"])
+        assert torch.is_inference_mode_enabled()  # the caller's mode, as found
+    assert fm.count("eager", "e only") == (2, 2) and fm.exit_code == 0
+    assert fm.checks["training"]["verdicts"]["eager"] == {"e": "decreases"}
+
+
+def test_inference_tensors_are_refused():
+    with torch.inference_mode():
+        made_inside = lin()
+        x = torch.ones(4, 2)
+    with pytest.raises(SpecError, match=r"weight is an inference tensor .*outside torch.inference_mode"):
+        gradprobe.probe(made_inside, _fit, torch.ones(4, 2))
+    with pytest.raises(SpecError, match=r"batch is an inference tensor .*\.clone\(\)"):
+        gradprobe.probe(lin(), _fit, x)

@@ -132,3 +132,64 @@ def test_run_diagnose_exit_status(spec_file, tmp_path, capsys):
     assert main(["run", str(healthy), "--diagnose"]) == 0
     assert main(["run", f"{spec_file}:broken", "--diagnose"]) == 1
     assert "ERROR graph-break-in-model: aux:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("source", "where", "message"),
+    [
+        ("import torch\n\ndef spec(:\n    pass\n", 3, "SyntaxError: invalid syntax"),
+        (
+            "import torch\nimport no_such_module_here\n",
+            2,
+            "ModuleNotFoundError: No module named 'no_such_module_here'",
+        ),
+        (
+            "def spec():\n    x = 1\n    raise RuntimeError('no data in /data/train')\n",
+            3,
+            "RuntimeError: no data in /data/train",
+        ),
+        (
+            "def helper():\n    return {}['model']\n\ndef spec():\n    return helper()\n",
+            2,
+            "KeyError: 'model'",
+        ),
+    ],
+    ids=["syntax-error", "import-error", "spec-raises", "spec-raises-in-a-helper"],
+)
+def test_a_spec_file_that_fails_exits_2_naming_its_line(tmp_path, capsys, source, where, message):
+    path = tmp_path / "bad_spec.py"
+    path.write_text(source)
+    assert main(["run", str(path)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and not captured.out, err
+    assert f"{path}:{where}" in err and message in err, err
+
+
+@pytest.mark.parametrize("option", ["--json", "--html", "--markdown"])
+def test_an_unwritable_output_path_is_refused_before_the_probe(spec_file, tmp_path, capsys, option):
+    target = tmp_path / "no_such_dir" / "out.file"
+    assert main(["run", str(spec_file), option, str(target)]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out  # nothing was probed or printed
+    assert (
+        "gradprobe: error:" in captured.err
+        and "no_such_dir" in captured.err
+        and "does not exist" in captured.err
+    )
+    assert main(["run", str(spec_file), option, str(tmp_path)]) == 2  # a directory
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_an_unavailable_device_exits_2(spec_file, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert main(["run", str(spec_file), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "gradprobe: error: device 'cuda' is not available" in err and "Traceback" not in err
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "not available" in capsys.readouterr().err
+    assert main(["demo", "--device", "gpu0"]) == 2
+    assert "not a torch device" in capsys.readouterr().err

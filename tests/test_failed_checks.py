@@ -6,14 +6,19 @@ NaN is a failure, never a pass.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 import threading
 
+import pytest
 import torch
 from torch import nn
 
 import gradprobe
 from gradprobe.cli import main
+from gradprobe.diagnose import diagnose
+from gradprobe.report.html import render_html
+from gradprobe.report.markdown import render_markdown
 from gradprobe.variants import user_variant
 
 
@@ -76,6 +81,84 @@ def test_a_check_that_cannot_run_is_an_error_and_the_rest_stands():
     assert finding.severity == "error" and "training" in finding.message
     assert fm.count("eager", "e only") == (1, 1)  # the measurement itself stands
     assert fm.exit_code == 1
+
+
+@pytest.mark.parametrize("check", ["physics", "training", "balance"])
+def test_every_check_on_a_model_that_cannot_be_copied_is_recorded_and_the_rest_stands(check):
+    model = Springs()
+    model.lock = threading.Lock()  # type: ignore[attr-defined]  # deepcopy raises TypeError on it
+    spec = _spring_spec(model)
+    if check == "balance":
+        # Adam or SGD are stepped one tensor copy at a time, without a model copy; LBFGS needs one.
+        spec = dataclasses.replace(spec, optimizer=lambda params: torch.optim.LBFGS(params))
+    fm = gradprobe.probe(spec, checks=[check])
+    found = [f for f in fm.findings if f.cause == "check-could-not-run"]
+    assert len(found) == 1 and found[0].severity == "error", [f.message for f in fm.findings]
+    assert check in found[0].message and "'lock'" in found[0].message  # names the attribute
+    assert fm.count("eager", "e only") == (1, 1) and fm.exit_code == 1
+    if check == "balance":  # what needs no copy is still there
+        assert "effective update" in found[0].message and fm.checks["balance"]["norms"]["e"]["k"] > 0
+    for render in (gradprobe.render, render_markdown, render_html):
+        assert "could not run" in render(fm)
+    back = gradprobe.FlowMap.from_json(fm.to_json())
+    assert [f.cause for f in diagnose(back)] == [f.cause for f in fm.findings]
+
+
+class Cached(nn.Module):
+    """Keeps its last output: a tensor that is not a graph leaf, which deepcopy refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = self.lin(x)
+        return self.last
+
+
+@pytest.mark.parametrize("kind", ["cached activation", "old-style spectral_norm"])
+def test_checks_copy_a_model_holding_computed_tensors(kind):
+    torch.manual_seed(0)
+    x = torch.randn(8, 3)
+    if kind == "cached activation":
+        model: nn.Module = Cached()
+    else:
+        model = nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 1))
+    model(x)  # after a forward, the model holds tensors with a grad_fn
+    held = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    assert any(not v.is_leaf for v in held)
+
+    def step(m, b):  # type: ignore[no-untyped-def]
+        return {"fit": m(b).pow(2).mean(), "reg": sum(p.pow(2).sum() for p in m.parameters())}
+
+    fm = gradprobe.probe(model, step, x, checks=["training", "balance"])
+    assert not [f for f in fm.findings if f.cause == "check-could-not-run"], [f.message for f in fm.findings]
+    assert fm.checks["training"]["verdicts"]["eager"] == {"fit": "decreases", "reg": "decreases"}
+    assert set(fm.checks["balance"]["effective_update"]["terms"]) == {"fit", "reg"}
+    after = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    assert len(after) == len(held) and all(a is b for a, b in zip(after, held, strict=True))
+
+
+def test_a_step_that_raises_on_a_later_call_in_the_balance_check_is_recorded():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    model[2].bias.requires_grad_(False)  # a frozen parameter: the balance check runs the step again
+    calls = []
+
+    def step(m, b):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the data loader is exhausted")
+        return {"fit": m(b).pow(2).mean(), "reg": m[0].weight.pow(2).sum()}
+
+    fm = gradprobe.probe(model, step, torch.randn(8, 3), checks=["balance"])
+    assert len(calls) == 2
+    found = [f for f in fm.findings if f.cause == "check-could-not-run"]
+    assert len(found) == 1 and "exhausted" in found[0].message and "balance" in found[0].message
+    assert fm.checks["balance"]["shares"]["fit"]  # the rest of the balance check stands
+    assert model[2].bias.requires_grad is False
+    assert "could not run" in gradprobe.render(fm)
 
 
 def test_a_term_that_does_not_decrease_is_an_error():

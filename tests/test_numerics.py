@@ -140,6 +140,76 @@ def test_very_large_and_very_small_gradients_are_nonzero(value, dtype, mode):
     assert fm.run("eager", "extreme only").term_values == {"extreme": 0.0}
 
 
+def test_a_large_float32_gradient_has_a_finite_norm():
+    # 10,000 elements of 1e36: the L1 norm is 1e40, past float32's range although every element is
+    # finite. The norm is recorded as a (float64) number, not as inf.
+    model = nn.Linear(100, 100, bias=False)
+    fm = gradprobe.probe(model, lambda m, b: {"big": (m.weight * 1e36).sum()}, None, terms=["big"])
+    cell = fm.cell("eager", "big only", "weight")
+    assert cell.status == "nonzero"
+    assert cell.norm is not None and math.isfinite(cell.norm)
+    assert cell.norm == pytest.approx(1e40, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- non-finite values
+@pytest.mark.parametrize("mode", ["terms", "weights"])
+def test_a_nan_term_with_finite_gradients_is_an_error(mode):
+    # The NaN enters through a part without gradient (a label, a detached tensor): every gradient is
+    # finite, and still the loss the user trains on is NaN.
+    model = nn.Linear(3, 1)
+    label = torch.tensor(math.nan)
+
+    def terms(m: nn.Module, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"fit": m(b).pow(2).mean(), "bad": m.bias.sum() + label}
+
+    def weighted(m: nn.Module, b: torch.Tensor, w: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        t = terms(m, b)
+        return w["fit"] * t["fit"] + w["bad"] * t["bad"], t
+
+    fm = gradprobe.probe(
+        model, terms if mode == "terms" else weighted, torch.ones(4, 3), terms=["fit", "bad"]
+    )
+    assert {c.status for c in fm.cells} <= {"none", "zero", "nonzero"}  # the gradients are finite
+    found = [f for f in fm.findings if f.cause == "nonfinite-term"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert "bad" in found[0].message and "nan" in found[0].message
+    assert fm.exit_code == 1
+    assert "PROBLEM" in gradprobe.render(fm)
+
+
+# ---------------------------------------------------------------------------- sparse gradients
+class SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(idx)).squeeze(-1)
+
+
+def test_sparse_gradients_of_several_terms_are_summed():
+    # nn.Embedding(sparse=True) gives sparse gradients: the "all" scenario sums two of them (and a
+    # dense one, from a regulariser on the same weight).
+    torch.manual_seed(0)
+    model = SparseEmbedding()
+    idx = torch.tensor([1, 2, 3])
+
+    def step(m: SparseEmbedding, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = m(b)
+        return {"a": y.pow(2).mean(), "b": y.mean(), "reg": m.emb.weight[5].abs().sum()}
+
+    fm = gradprobe.probe(model, step, idx)
+    y = model(idx)
+    total = y.pow(2).mean() + y.mean() + model.emb.weight[5].abs().sum()
+    (expected,) = torch.autograd.grad(total, [model.emb.weight])
+    cell = fm.cell("eager", "all", "emb.weight")
+    assert cell.status == "nonzero"
+    assert cell.norm == pytest.approx(float(expected.to_dense().abs().sum()), rel=1e-6)
+    assert fm.count("eager", "all") == (3, 3)
+    assert all(r.error is None for r in fm.runs)
+
+
 # ---------------------------------------------------------------------------- complex parameters
 class ComplexModel(nn.Module):
     def __init__(self) -> None:

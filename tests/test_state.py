@@ -1,6 +1,7 @@
 """The probe leaves the user's model exactly as it found it."""
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,94 @@ def test_batch_is_not_modified_by_differentiable_inputs():
 
     gradprobe.probe(model, f, batch, differentiable_inputs=["x"])
     assert not batch["x"].requires_grad
+
+
+class _GradIsTheInput(torch.autograd.Function):
+    """A custom function whose backward hands back a tensor it saved from the batch, as is."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return (w * x).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return x, None  # right for grad == 1, and the very tensor of the user's batch
+
+
+def test_a_gradient_that_is_the_users_batch_is_never_written_into():
+    # Summing the two terms' gradients for "all" must not accumulate into the first one in place:
+    # autograd returned the user's batch tensor itself as that gradient.
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.ones(3))
+    batch = torch.tensor([1.0, 2.0, 3.0])
+
+    def step(m: nn.Module, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": _GradIsTheInput.apply(m.weight, b), "b": _GradIsTheInput.apply(m.weight, b)}
+
+    fm = gradprobe.probe(model, step, batch)
+    assert torch.equal(batch, torch.tensor([1.0, 2.0, 3.0]))
+    assert fm.cell("eager", "all", "weight").norm == pytest.approx(12.0)
+
+
+class Stateful(nn.Module):
+    """Attributes a forward changes: a counter, a stored activation, and old-style weight_norm's
+    ``weight``, recomputed from ``weight_g``/``weight_v`` by a forward pre-hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.utils.weight_norm(nn.Linear(3, 2))
+        self.head = nn.Linear(2, 1)
+        self.calls = 0
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = self.lin(x)
+        return self.head(torch.tanh(self.last))
+
+
+def _attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
+    return {n: dict(vars(m)) for n, m in model.named_modules()}
+
+
+def _containers(model: nn.Module) -> dict[str, dict[str, list[Any]]]:
+    return {
+        n: {
+            k: list(v)
+            for k, v in vars(m).items()
+            if isinstance(v, dict) and (k.startswith("_") or "hooks" in k)
+        }
+        for n, m in model.named_modules()
+    }
+
+
+def test_module_attributes_a_step_changes_are_put_back():
+    torch.manual_seed(0)
+    model = Stateful()
+    x = torch.randn(5, 3)
+    model(x)  # the user's own forward: calls == 1, last and lin.weight hold its results
+    before, containers = _attributes(model), _containers(model)
+
+    def step(m: Stateful, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        m.scratch = "added by the step"
+        m.head.register_forward_hook(lambda *args: None)
+        m.lin.weight_v.register_hook(lambda g: g)
+        m.head.bias = nn.Parameter(torch.zeros(1))  # a replaced parameter
+        y = m(b)
+        return {"fit": y.pow(2).mean(), "reg": m.lin.weight_g.abs().sum()}
+
+    fm = gradprobe.probe(model, step, x, variants="eager,make_fx", second_batch=x + 1)
+    assert fm.count("eager", "fit only")[0] > 0
+    after = _attributes(model)
+    assert after.keys() == before.keys()
+    for name, attrs in before.items():
+        assert after[name].keys() == attrs.keys(), name  # "scratch" is gone
+        changed = [k for k, v in attrs.items() if after[name][k] is not v]
+        assert not changed, (name, changed)  # calls, last, lin.weight, head's parameters: the user's objects
+    assert _containers(model) == containers  # no hook, parameter or buffer added or replaced
+    assert model.calls == 1 and not model.lin.weight_v._backward_hooks
 
 
 class Tied(nn.Module):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +26,8 @@ import torch.nn.modules.module as module_globals
 from messy_model import Messy
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import _get_current_function_mode_stack
 
 import gradprobe
 from gradprobe import state
@@ -93,6 +97,11 @@ def model_state(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def flush_denormal() -> bool:
+    """Whether subnormals are flushed to zero (torch has a setter only)."""
+    return bool((torch.full((1,), 1e-310, dtype=torch.float64) * 1.0).item() == 0.0)
+
+
 def global_state() -> dict[str, Any]:
     return {
         "grad_mode": torch.is_grad_enabled(),
@@ -109,6 +118,17 @@ def global_state() -> dict[str, Any]:
         "autograd_grad": torch.autograd.grad,
         "global_hooks": {name: list(getattr(module_globals, name).items()) for name in GLOBAL_HOOKS},
         "eval_frame_callback": torch._C._dynamo.eval_frame.get_eval_frame_callback(),
+        "default_device_context": getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
+        "function_mode_objects": [id(m) for m in _get_current_function_mode_stack()],
+        "num_threads": torch.get_num_threads(),
+        "warn_always": torch.is_warn_always_enabled(),
+        "flush_denormal": flush_denormal(),
+        "autograd_multithreading": torch._C._is_multithreading_enabled(),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+        "optimizer_hooks": [
+            list(getattr(sys.modules["torch.optim.optimizer"], name).items())
+            for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+        ],
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "numpy_rng": np.random.get_state(),
@@ -374,6 +394,13 @@ def careless_step(model, batch):
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_float32_matmul_precision("medium")
     torch.autograd.set_detect_anomaly(False, check_nan=False)
+    torch.set_default_device("cpu")  # pushes a DeviceContext onto the function-mode stack
+    torch.set_num_threads(1)
+    torch.set_warn_always(True)
+    torch.set_flush_denormal(True)
+    torch.autograd.set_multithreading_enabled(False)  # a call, not only a context manager
+    torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    register_optimizer_step_pre_hook(lambda opt, args, kwargs: None)
     out = terms_of(model, batch)
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
@@ -447,6 +474,33 @@ def test_a_config_value_that_cannot_be_copied_does_not_break_the_probe():
         torch._dynamo.config.recompile_limit = before
 
 
+# ---------------------------------------------------------------------------- threads
+def test_probes_in_two_threads_give_the_results_of_one_at_a_time():
+    # Each probe reseeds the process-wide RNG before its runs; a step that draws after a pause lets the
+    # other thread reseed in between, unless probes run one at a time.
+    def step(m, b):
+        time.sleep(0.02)
+        a, c = m(b * torch.rand(b.shape))
+        return {"a": a.pow(2).mean(), "b": c.pow(2).mean()}
+
+    models = [make_model(), make_model()]
+    alone = [gradprobe.probe(m, step, BATCH, seed=s) for m, s in zip(models, (1, 2), strict=True)]
+    for _ in range(3):
+        maps: list[Any] = [None, None]
+
+        def run(i: int, maps: list[Any] = maps) -> None:
+            maps[i] = gradprobe.probe(models[i], step, BATCH, seed=i + 1)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for got, want in zip(maps, alone, strict=True):
+            assert got is not None and all(r.error is None and r.term_values for r in got.runs)
+            assert [r.term_values for r in got.runs] == [r.term_values for r in want.runs]
+
+
 # ---------------------------------------------------------------------------- the user's dynamo caches
 def test_compiled_variants_leave_the_users_dynamo_caches_empty(world):
     def step(model, batch):
@@ -502,6 +556,26 @@ def test_training_check_never_steps_the_users_optimizer(world):
     for k, s in buffers.items():
         for n, v in s.items():
             assert torch.equal(after["state"][k][n], v), (k, n)
+
+
+def test_an_optimizer_factory_never_gets_the_users_parameters(world):
+    # A factory that registers hooks on what it is given (an optimizer-in-backward pattern): they land
+    # on gradprobe's stand-ins, never on the user's parameters.
+    given: list[torch.Tensor] = []
+
+    def factory(params):
+        given.extend(params)
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        return torch.optim.SGD(params, lr=0.1)
+
+    fm = gradprobe.probe(world.model, terms_of, BATCH, optimizer=factory, checks=["balance", "training"])
+    assert fm.checks["balance"]["optimizer"]["optimizer"] == "SGD"
+    assert fm.checks["training"]["optimizer"] == "SGD"
+    mine = {id(p) for p in world.model.parameters()}
+    assert given and not any(id(p) in mine for p in given)
+    assert all(not p._post_accumulate_grad_hooks for p in world.model.parameters())
+    world.assert_unchanged()
 
 
 # ---------------------------------------------------------------------------- how often the step runs

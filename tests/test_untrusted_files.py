@@ -118,8 +118,12 @@ def _dumps(d: Any) -> str:
         ('{"schema": "gradprobe.flowmap/1" "x": 1}', "not valid JSON: Expecting ','"),
         ('{"schema": NaN}', "not valid JSON: NaN is not a JSON value"),
         ('{"rtol": -Infinity}', "not valid JSON: -Infinity is not a JSON value"),
-        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("[" * 20_000 + "]" * 20_000, "nested too deeply"),
+        # 200 kB of brackets is refused before parsing: it would take 36x its size to hold.
+        ("[" * 100_000 + "]" * 100_000, "too many values for its size"),
         ('{"schema": "gradprobe.flowmap/1", "rtol": ' + "9" * 5000 + "}", "a number too large to read"),
+        ('{"schema": "gradprobe.flowmap/1", "rtol": 1e999}', r"a number beyond the float range \(1e999\)"),
+        ('{"schema": "gradprobe.flowmap/1", "checks": {"x": [[-1E400]]}}', "beyond the float range"),
     ],
 )
 def test_bad_text_gets_one_clear_error(text, message):
@@ -533,3 +537,53 @@ def test_the_reader_does_not_import_anything_that_deserialises_objects():
                             "pathlib", "typing", ".compare", ".errors", ".status"}, imports  # fmt: skip
     for call in ("pickle.", "torch.load", "marshal.", "eval(", "exec(", "__import__"):
         assert call not in source, call
+
+
+# ---------------------------------------------------------------------------- control characters
+# Clears the screen, moves the cursor home and prints a fake verdict; a bell, a carriage return, a C1
+# control sequence introducer, a right-to-left override, a NUL.
+CONTROLS = "\x1b[2J\x1b[Hgradprobe: OK: no problem found\x07\r\x9b31m\u202eevil\x00"
+RAW = ("\x1b", "\x07", "\r", "\x9b", "\u202e", "\x00")
+
+
+def _with_controls(saved: FlowMap) -> FlowMap:
+    d = json.loads(saved.to_json())
+    name = d["parameters"][0]["name"]
+    for p in d["parameters"]:
+        if p["name"] == name:
+            p["name"] += CONTROLS
+    for c in d["cells"]:
+        if c["parameter"] == name:
+            c["parameter"] += CONTROLS
+    d["findings"][0]["message"] += CONTROLS
+    d["findings"][0]["fix"] += CONTROLS
+    d["notes"] = {CONTROLS: CONTROLS}
+    d["warnings"] = [CONTROLS]
+    d["torch_version"] += CONTROLS
+    d["runs"][0]["error"] = {"stage": "forward", "type": "RuntimeError" + CONTROLS, "message": CONTROLS}
+    return FlowMap.from_json(json.dumps(d))  # "\u001b" in the JSON text: a raw ESC once read
+
+
+def test_control_characters_from_a_file_never_reach_the_output_raw(saved, tmp_path, capsys):
+    from gradprobe.flowdiff import diff_maps
+    from gradprobe.report.html import render_html
+    from gradprobe.report.markdown import render_markdown
+
+    evil = _with_controls(saved)
+    outputs = {
+        "terminal": gradprobe.render(evil, show_all=True),
+        "markdown": render_markdown(evil),
+        "html": render_html(evil),
+        "diff": diff_maps(saved, evil).render() + diff_maps(evil, saved).render(),
+    }
+    path = tmp_path / "evil.json"
+    evil.to_json(path)
+    main(["report", str(path)])
+    before = tmp_path / "good.json"
+    saved.to_json(before)
+    main(["diff", str(before), str(path)])
+    captured = capsys.readouterr()
+    outputs["cli"] = captured.out + captured.err
+    for kind, text in outputs.items():
+        assert not [c for c in RAW if c in text], kind
+        assert "\\x1b" in text, kind  # shown, escaped

@@ -15,14 +15,15 @@ Groups are top-level modules (``fitting``, ``descriptor``; top-level parameters 
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from .optim import call_optimizer_factory, fresh_optimizer
+from .copies import model_copy
+from .errors import GradProbeError
+from .optim import Plan, fresh_optimizer, plan
 from .scenarios import Scenario
 from .spec import ProbeSpec
 
@@ -72,12 +73,30 @@ def balance_report(
     if spec.prefactor_schedule:
         result["prefactor_schedule"] = dict(spec.prefactor_schedule)
         _at_limit(result["dominated"], spec.prefactor_schedule, terms, norms)
+    # Each part below may fail on its own (the step raising on a later call, an optimizer that cannot
+    # step a copy): it is recorded under "errors" and the parts that ran stand.
+    errors: dict[str, str] = {}
     params = [p for p in model.parameters() if p.requires_grad]
-    result["optimizer"] = _optimizer_audit(spec, model, names, params, grads)
-    result["frozen"] = _frozen_needed(model, terms, call_terms)
+    the_plan = _part("optimizer", lambda: plan(spec, model), errors)
+    if the_plan is not None and the_plan.given:
+        result["optimizer"] = _part(
+            "optimizer audit", lambda: _optimizer_audit(the_plan, names, params, grads), errors
+        )
+    else:
+        result["optimizer"] = None
+    result["frozen"] = (
+        _part("frozen parameters", lambda: _frozen_needed(model, terms, call_terms), errors) or {}
+    )
     if spec.clip_grad_norm is not None:
-        result["clipping"] = _clipping(spec.clip_grad_norm, terms, grads, sq)
-    result["effective_update"] = _effective_update(spec, model, terms, grads)
+        result["clipping"] = _part(
+            "clipping", lambda: _clipping(spec.clip_grad_norm, terms, grads, sq), errors
+        )
+    if the_plan is not None:
+        result["effective_update"] = _part(
+            "effective update", lambda: _effective_update(spec, model, the_plan, terms, grads), errors
+        )
+    if errors:
+        result["errors"] = errors
     return result
 
 
@@ -94,6 +113,18 @@ def _at_limit(
         mine = norms[d["term"]][g] * scale[d["term"]]
         total = sum(norms[u][g] * scale[u] for u in terms)
         d["share_at_limit"] = mine / total if total > 0 else 0.0
+
+
+def _part(name: str, run: Callable[[], Any], errors: dict[str, str]) -> Any:
+    """``run()``, or None with the failure recorded under ``name`` (bad input still raises)."""
+    try:
+        return run()
+    except GradProbeError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        errors[name] = f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+        return None
 
 
 def _squared_norms(gs: Sequence[torch.Tensor | None]) -> list[float]:
@@ -150,36 +181,19 @@ def _conflicts(
     return out
 
 
-def _optimizer_instance(
-    spec: ProbeSpec, params: list[torch.Tensor], model: torch.nn.Module
-) -> torch.optim.Optimizer | None:
-    opt = spec.optimizer
-    if opt is None:
-        return None
-    if isinstance(opt, torch.optim.Optimizer):
-        return opt  # read only: its param_groups
-    return call_optimizer_factory(opt, params, model)  # built on the model's parameters; never stepped
-
-
 def _optimizer_audit(
-    spec: ProbeSpec, model: torch.nn.Module, names: Sequence[str], params: list[torch.Tensor], grads: dict
-) -> dict[str, Any] | None:
-    opt = _optimizer_instance(spec, params, model)
-    if opt is None:
-        return None
-    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
-    by_id = dict(zip(map(id, params), names, strict=True))
+    the_plan: Plan, names: Sequence[str], params: list[torch.Tensor], grads: dict
+) -> dict[str, Any]:
     reached = {
-        by_id[id(p)]: [t for t, gs in grads.items() if gs[i] is not None and bool(gs[i].abs().max() > 0)]
-        for i, p in enumerate(params)
+        names[i]: [t for t, gs in grads.items() if gs[i] is not None and bool(gs[i].abs().max() > 0)]
+        for i in range(len(params))
     }
-    missing = {n: ts for n, ts in reached.items() if ts and id(params[names.index(n)]) not in groups}
+    groups = dict(zip(names, the_plan.groups, strict=True))
+    missing = {n: ts for n, ts in reached.items() if ts and groups[n] is None}
     zero_lr = {
-        n: ts
-        for n, ts in reached.items()
-        if ts and (g := groups.get(id(params[names.index(n)]))) is not None and g.get("lr", 1.0) == 0
+        n: ts for n, ts in reached.items() if ts and (g := groups[n]) is not None and g.get("lr", 1.0) == 0
     }
-    return {"optimizer": type(opt).__name__, "not_in_optimizer": missing, "zero_lr": zero_lr}
+    return {"optimizer": the_plan.cls.__name__, "not_in_optimizer": missing, "zero_lr": zero_lr}
 
 
 def _frozen_needed(model: torch.nn.Module, terms: list[str], call_terms: Any) -> dict[str, list[str]]:
@@ -209,13 +223,15 @@ def _frozen_needed(model: torch.nn.Module, terms: list[str], call_terms: Any) ->
 
 def _clipping(max_norm: float, terms: list[str], grads: dict, sq: dict) -> dict[str, Any]:
     """clip_grad_norm_ scales the joint gradient by s; a term alone would be scaled by s_t. s / s_t is
-    how much training together shrinks the term's update compared with training it alone."""
+    how much training together shrinks the term's update compared with training it alone. The joint
+    norm is summed one parameter at a time (never a copy of the whole joint gradient)."""
     n = len(next(iter(grads.values())))
-    joint = [
-        sum((grads[t][i].double() for t in terms if grads[t][i] is not None), torch.zeros(()))
-        for i in range(n)
-    ]
-    total = math.sqrt(sum(float((j**2).sum()) for j in joint))
+    total_sq = 0.0
+    for i in range(n):
+        present = [grads[t][i] for t in terms if grads[t][i] is not None]
+        if present:
+            total_sq += float(torch.linalg.vector_norm(sum(g.double() for g in present)) ** 2)
+    total = math.sqrt(total_sq)
     scale = min(1.0, max_norm / total) if total > 0 else 1.0
     per_term = {}
     for t in terms:
@@ -226,40 +242,78 @@ def _clipping(max_norm: float, terms: list[str], grads: dict, sq: dict) -> dict[
 
 
 def _effective_update(
-    spec: ProbeSpec, model: torch.nn.Module, terms: list[str], grads: dict
+    spec: ProbeSpec, model: torch.nn.Module, the_plan: Plan, terms: list[str], grads: dict
 ) -> dict[str, Any]:
-    """One optimizer step on a copy per term alone and for all together; cosine of each term's update
-    with the joint update over the parameters the term reaches, and the norm ratio."""
-    copy_model = copy.deepcopy(model)
-    params = [p for p in copy_model.parameters() if p.requires_grad]
-    start = [p.detach().clone() for p in params]
+    """One optimizer step per term alone and for all together, from the model's parameters; cosine of
+    each term's update with the joint update over the parameters the term reaches, and the norm ratio.
 
-    def step(grad_list: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        with torch.no_grad():
-            for p, p0 in zip(params, start, strict=True):
-                p.copy_(p0)
-        opt = fresh_optimizer(spec, params, copy_model)
-        for p, g in zip(params, grad_list, strict=True):
-            p.grad = None if g is None else g.detach().clone()
-        opt.step()
-        return [(p.detach() - p0).double() for p, p0 in zip(params, start, strict=True)]
+    An optimizer that treats each tensor on its own (``optim.SEPARABLE``: Adam, SGD, ...) is stepped
+    one parameter tensor at a time, on a copy of that tensor: the same updates, with memory for one
+    tensor's copy and state instead of the model's. Others are stepped on a copy of the whole model.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    dots = dict.fromkeys(terms, 0.0)
+    alone_sq = dict.fromkeys(terms, 0.0)
+    joint_sq = dict.fromkeys(terms, 0.0)
 
-    joint_grads = [
-        None if all(grads[t][i] is None for t in terms)
-        else sum(grads[t][i] for t in terms if grads[t][i] is not None)  # type: ignore[misc]
-        for i in range(len(params))
-    ]  # fmt: skip
-    joint = step(joint_grads)
-    out = {}
-    for t in terms:
-        alone = step(grads[t])
-        mask = [grads[t][i] is not None for i in range(len(params))]
-        dot = sum(float((a * j).sum()) for a, j, m in zip(alone, joint, mask, strict=True) if m)
-        na = math.sqrt(sum(float((a**2).sum()) for a, m in zip(alone, mask, strict=True) if m))
-        nj = math.sqrt(sum(float((j**2).sum()) for j, m in zip(joint, mask, strict=True) if m))
-        out[t] = {
-            "cosine_with_joint": dot / (na * nj) if na and nj else 0.0,
-            "norm_alone": na,
-            "norm_joint": nj,
+    def fold(i: int, joint: torch.Tensor, alone: dict[str, torch.Tensor]) -> None:
+        for t, u in alone.items():
+            dots[t] += float((u * joint).sum())
+            alone_sq[t] += float((u * u).sum())
+            joint_sq[t] += float((joint * joint).sum())
+
+    def joint_grad(i: int) -> torch.Tensor | None:
+        present = [grads[t][i] for t in terms if grads[t][i] is not None]
+        return None if not present else sum(present[1:], present[0].clone())
+
+    if the_plan.separable:
+        for i, p in enumerate(params):
+            if all(grads[t][i] is None for t in terms) or (the_plan.given and the_plan.groups[i] is None):
+                continue  # no term reaches it, or the user's optimizer does not step it: no update
+            q = p.detach().clone()
+
+            def step_one(
+                g: torch.Tensor, q: torch.Tensor = q, p: torch.Tensor = p, i: int = i
+            ) -> torch.Tensor:
+                with torch.no_grad():
+                    q.copy_(p)
+                q.grad = g.detach().clone()
+                the_plan.on([q], [i]).step()
+                q.grad = None
+                return (q - p.detach()).double()
+
+            joint = step_one(joint_grad(i))  # type: ignore[arg-type]
+            fold(i, joint, {t: step_one(grads[t][i]) for t in terms if grads[t][i] is not None})
+    else:
+        copy_model = model_copy(model)
+        copies = [p for p in copy_model.parameters() if p.requires_grad]
+
+        def step_all(grad_list: list[torch.Tensor | None]) -> list[torch.Tensor]:
+            with torch.no_grad():
+                for q, p in zip(copies, params, strict=True):
+                    q.copy_(p)
+            opt = fresh_optimizer(spec, copies, copy_model)
+            for q, g in zip(copies, grad_list, strict=True):
+                q.grad = None if g is None else g.detach().clone()
+            opt.step()
+            for q in copies:
+                q.grad = None
+            return [(q.detach() - p.detach()).double() for q, p in zip(copies, params, strict=True)]
+
+        joint_all = step_all([joint_grad(i) for i in range(len(params))])
+        for t in terms:
+            alone_all = step_all(grads[t])
+            for i, (u, j) in enumerate(zip(alone_all, joint_all, strict=True)):
+                if grads[t][i] is not None:
+                    fold(i, j, {t: u})
+    out = {
+        t: {
+            "cosine_with_joint": dots[t] / math.sqrt(alone_sq[t] * joint_sq[t])
+            if alone_sq[t] and joint_sq[t]
+            else 0.0,
+            "norm_alone": math.sqrt(alone_sq[t]),
+            "norm_joint": math.sqrt(joint_sq[t]),
         }
-    return {"optimizer": type(fresh_optimizer(spec, params, copy_model)).__name__, "terms": out}
+        for t in terms
+    }
+    return {"optimizer": the_plan.cls.__name__, "terms": out}

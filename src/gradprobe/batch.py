@@ -22,6 +22,25 @@ def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Ten
             yield from tensors_in(v, f"{path}[{i}]")
 
 
+def check_not_inference(batch: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Inference tensors (made under ``torch.inference_mode()``) can never be recorded by autograd, not
+    even after leaving inference mode: a clear error instead of "nothing reached"."""
+    for name, p in named:
+        if p.is_inference():
+            raise SpecError(
+                f"parameter {name} is an inference tensor (made under torch.inference_mode()): autograd can "
+                "never record it. Build or load the model outside torch.inference_mode(), or replace its "
+                "parameters by clones made outside it"
+            )
+    for path, t in tensors_in(batch):
+        if t.is_inference():
+            raise SpecError(
+                f"{path} is an inference tensor (made under torch.inference_mode()): autograd cannot "
+                f"differentiate through it. Make the batch outside inference mode, or pass {path}.clone() "
+                "made outside it"
+            )
+
+
 def check_devices(batch: Any, model: torch.nn.Module, params: Iterable[torch.Tensor] | None = None) -> None:
     """A batch tensor on another device than the (single-device) model is a clear error.
 

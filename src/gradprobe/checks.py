@@ -13,7 +13,6 @@ Shape sweeps (other batch shapes) are measured in ``probe.py`` next to the secon
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from .build import VariantContext, build
 from .compare import consistency_tolerance, noise_pairs
+from .copies import model_copy
 from .errors import SpecError
 from .measure import isolated, run_error
 from .optim import fresh_optimizer
@@ -95,7 +95,7 @@ def _noise(m: Any, ref: Any, numels: Sequence[int], dtype: str) -> list[tuple[bo
 def _float64_copy(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
     """A float64 deep copy of the model and batch: finite differences need the precision, and the
     user's model is never touched."""
-    model64 = copy.deepcopy(model).double()
+    model64 = model_copy(model).double()
     batch64 = {
         k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         for k, v in batch.items()
@@ -291,9 +291,11 @@ def training_check(
     """``steps`` optimizer steps per variant and per single-term scenario on a deep copy of the model,
     from the same start each time; records each term's curve and whether it decreases."""
     alone = [s for s in scenarios if len(s.terms) == 1]
-    copy_model = copy.deepcopy(model)
+    # Memory beyond a plain step: the copy and the optimizer's state. Each run starts again from the
+    # user's parameters (read, never written), and gradients are dropped after each optimizer step.
+    copy_model = model_copy(model)
     params = [p for p in copy_model.parameters() if p.requires_grad]
-    start = [p.detach().clone() for p in params]
+    start = [p for p in model.parameters() if p.requires_grad]
     curves: dict[str, dict[str, list[float]]] = {}
     verdicts: dict[str, dict[str, str]] = {}
     errors: dict[str, dict[str, str]] = {}
@@ -339,8 +341,13 @@ def training_check(
                     grads = torch.autograd.grad(target, params, allow_unused=True)
                     for p, g in zip(params, grads, strict=True):
                         p.grad = g
+                    del grads, total, values
                     optimizer.step()
+                    for p in params:
+                        p.grad = None
             except Exception as e:
+                for p in params:
+                    p.grad = None
                 err = run_error("training", e)
                 errors[variant.name][term] = f"{err.type}: {err.message}"
                 verdicts[variant.name][term] = "error"

@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from . import __version__
 from .errors import GradProbeError, SpecError
 from .flowmap import FlowMap
+from .report.controls import visible
 from .report.terminal import render
 from .spec import ProbeSpec
 
@@ -144,6 +146,8 @@ def load_spec(target: str, **kwargs: Any) -> Any:
     sys.path.insert(0, str(path.resolve().parent))  # so the spec can import its neighbours
     try:
         module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: one line naming its file and line, not a traceback
+        raise _user_error(path, e, f"while importing {path}") from None
     finally:
         sys.path.remove(str(path.resolve().parent))
     func = getattr(module, func_name, None)
@@ -156,13 +160,78 @@ def load_spec(target: str, **kwargs: Any) -> Any:
             f"(name one with {path}:FUNCTION)"
         )
     accepted = inspect.signature(func).parameters
-    result = func(**{k: v for k, v in kwargs.items() if v is not None and k in accepted})
+    try:
+        result = func(**{k: v for k, v in kwargs.items() if v is not None and k in accepted})
+    except GradProbeError:
+        raise
+    except Exception as e:
+        raise _user_error(path, e, f"in {func_name}()") from None
     if not isinstance(result, ProbeSpec) and not _is_adapter(result):
         raise SpecError(
             f"{path}:{func_name}() returned {type(result).__name__}, expected a gradprobe.ProbeSpec "
             "or a trainer adapter (gradprobe.trainer)"
         )
     return result
+
+
+def _user_error(path: Path, e: BaseException, doing: str) -> SpecError:
+    """The innermost line of the spec file in the traceback (for a syntax error, the line itself),
+    the exception's first line, and where else it was raised when that is another file."""
+    mine = path.resolve()
+    first = str(e.msg if isinstance(e, SyntaxError) else e).strip().splitlines()
+    text = f"{type(e).__name__}: {first[0] if first else ''}".rstrip(": ")
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, SyntaxError) and e.filename and e.lineno:
+        frames.append(traceback.FrameSummary(e.filename, e.lineno, "<module>"))
+    own = [f for f in frames if _same_file(f.filename, mine)]
+    where = f"{path}:{own[-1].lineno}" if own else str(path)
+    elsewhere = (
+        f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames and frames[-1] not in own else ""
+    )
+    return SpecError(f"{where}: {text}{elsewhere} ({doing})")
+
+
+def _same_file(name: str, path: Path) -> bool:
+    try:
+        return Path(name).resolve() == path
+    except (OSError, ValueError):
+        return False
+
+
+def _check_device(name: str | None) -> None:
+    """``--device``: a torch device that can hold a tensor here, checked before anything runs."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise SpecError(
+            f"--device {name!r} is not a torch device ({str(e).splitlines()[0]}); e.g. cpu, cuda:0, mps"
+        ) from None
+    try:
+        torch.empty(0, device=device)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecError(
+            f"device {name!r} is not available here: {reason} (torch {torch.__version__}); use --device cpu"
+        ) from None
+
+
+def _check_writable(path: str | None, what: str) -> None:
+    """An output file is refused before the probe runs when it cannot be written: the probe's result
+    would be lost at the end."""
+    if not path:
+        return
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise SpecError(f"cannot write the {what} to {path!r}: it is a directory; give a file name")
+    if not parent.is_dir():
+        raise SpecError(f"cannot write the {what} to {path!r}: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise SpecError(f"cannot write the {what} to {path!r}: permission denied")
 
 
 def _is_adapter(obj: Any) -> bool:
@@ -187,9 +256,12 @@ def _report(
 ) -> int:
     sys.stdout.write(render(fm, show_all=show_all))
     if extra:
-        sys.stdout.write("\n" + extra)
+        sys.stdout.write("\n" + visible(extra))
     if json_path:
-        fm.to_json(json_path)
+        try:
+            fm.to_json(json_path)
+        except OSError as e:
+            raise GradProbeError(f"cannot write the flow map to {json_path!r}: {e.strerror}") from None
         sys.stdout.write(f"\nflow map written to {json_path}\n")
     _write_reports(fm, html_path, markdown_path)
     return fm.exit_code
@@ -333,7 +405,7 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
             code = fm.exit_code
     except GradProbeError as e:
         if rank == 0:
-            sys.stderr.write(f"gradprobe: error: {e}\n")
+            sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         code = EXIT_USAGE
     finally:
         status = os.environ.get(STATUS_FILE_ENV)
@@ -348,6 +420,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        for option, what in (
+            ("json", "JSON flow map"),
+            ("html", "HTML report"),
+            ("markdown", "Markdown report"),
+        ):
+            _check_writable(getattr(args, option, None), what)
+        _check_device(getattr(args, "device", None))
         if args.command == "run" and args.nproc is not None and not _is_rank():
             return _relaunch(args.nproc, argv)
         if args.command == "report":
@@ -396,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:
-        sys.stderr.write(f"gradprobe: error: {e}\n")
+        sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         return EXIT_USAGE
 
 

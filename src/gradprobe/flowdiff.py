@@ -13,12 +13,13 @@ import math
 from dataclasses import dataclass
 
 from .flowmap import Cell, FlowMap, Run, RunError
+from .report.controls import visible
 from .status import NONE, ZERO
 
 NOT_REACHED = "not reached"  # none and zero, which are the same flow
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CellChange:
     """One (variant, scenario, parameter) whose status or verdict changed; both runs ran."""
 
@@ -39,7 +40,7 @@ class CellChange:
         return self.verdict_before != self.verdict_after
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunChange:
     """A (variant, scenario) run that started or stopped failing; ``reached`` is what the working
     side's run reached (before when it started failing, after when it stopped)."""
@@ -51,7 +52,7 @@ class RunChange:
     reached: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NormChange:
     variant: str
     scenario: str
@@ -89,7 +90,7 @@ class FlowDiff:
 
     def render(self, limit: int = 200) -> str:
         """Plain text: a headline, then each kind of change, one line per changed cell or run."""
-        return "\n".join(_render(self, limit)) + "\n"
+        return visible("\n".join(_render(self, limit)) + "\n")
 
 
 def flow_class(status: str) -> str:
@@ -104,7 +105,8 @@ def diff_maps(a: FlowMap, b: FlowMap, *, norm_rtol: float | None = None) -> Flow
         norm_rtol = max((r for r in (a.rtol, b.rtol) if r is not None), default=1e-3)
     variants = [v for v in a.variant_names if v in b.variant_names]
     scenarios = [s for s in a.scenario_names if s in b.scenario_names]
-    params = [p.name for p in a.parameters if p.name in {q.name for q in b.parameters}]
+    in_b = {q.name for q in b.parameters}
+    params = [p.name for p in a.parameters if p.name in in_b]
     cells: list[CellChange] = []
     runs: list[RunChange] = []
     norms: list[NormChange] = []
@@ -118,13 +120,16 @@ def diff_maps(a: FlowMap, b: FlowMap, *, norm_rtol: float | None = None) -> Flow
                 continue
             ca, cb = a.cells_of(v, s), b.cells_of(v, s)
             for p in params:
-                if p not in ca or p not in cb:
+                x, y = ca.get(p), cb.get(p)
+                if x is None or y is None:
                     continue
-                change = _cell_change(ca[p], cb[p])
-                if change is not None:
-                    cells.append(change)
-                elif norm_rtol > 0 and _norm_moved(ca[p], cb[p], norm_rtol):
-                    norms.append(NormChange(v, s, p, ca[p].norm, cb[p].norm))  # type: ignore[arg-type]
+                if x.status != y.status or x.verdict != y.verdict:  # else: the same flow, cheaply
+                    change = _cell_change(x, y)
+                    if change is not None:
+                        cells.append(change)
+                        continue
+                if norm_rtol > 0 and x.norm != y.norm and _norm_moved(x, y, norm_rtol):
+                    norms.append(NormChange(v, s, p, x.norm, y.norm))  # type: ignore[arg-type]
     fa, fb = _error_findings(a), _error_findings(b)
     return FlowDiff(
         cells=tuple(cells),
@@ -153,7 +158,8 @@ def _failed(run: Run | None) -> bool:
 def _run_change(a: FlowMap, b: FlowMap, v: str, s: str, ra: Run | None, rb: Run | None) -> RunChange:
     started = _failed(rb)
     working, failing = (a, rb) if started else (b, ra)
-    reached = tuple(p for p in working.trainable if p in working.reached(v, s))
+    got = working.reached(v, s)
+    reached = tuple(p for p in working.trainable if p in got)
     return RunChange(v, s, started, failing.error if failing else None, reached)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +24,7 @@ SCHEMA = "gradprobe.flowmap/1"
 SEVERITIES = ("error", "warning", "info")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParameterInfo:
     """One parameter tensor of the model (tied weights appear once, under their first name)."""
 
@@ -36,7 +36,7 @@ class ParameterInfo:
     device: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScenarioInfo:
     name: str
     terms: tuple[str, ...]
@@ -69,7 +69,7 @@ class VariantInfo:
     graph: dict[str, Any] | None = None  # lint of the traced graph (graphlint.lint)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Run:
     """One (variant, scenario) measurement: the term values it saw and whether it failed."""
 
@@ -86,7 +86,7 @@ class Run:
     metrics: dict[str, float | None] = field(default_factory=dict)  # a trainer's rmse etc. (not trained)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Cell:
     """The gradient of one parameter in one run. ``norm`` is the L1 norm (None when status is none).
 
@@ -164,6 +164,11 @@ class FlowMap:
         """Names of the parameters that can receive a gradient (``requires_grad=True``)."""
         return tuple(p.name for p in self.parameters if p.requires_grad)
 
+    @cached_property
+    def trainable_set(self) -> frozenset[str]:
+        """``trainable`` as a set, for membership tests (a flow map may hold 100,000 parameters)."""
+        return frozenset(self.trainable)
+
     def variant(self, name: str) -> VariantInfo:
         for v in self.variants:
             if v.name == name:
@@ -227,7 +232,20 @@ class FlowMap:
             "variants": [asdict(v) for v in self.variants],
             "runs": [asdict(r) for r in self.runs],
             "parameters": [asdict(p) for p in self.parameters],
-            "cells": [asdict(c) for c in self.cells],
+            # Cells are most of a map and hold no nested values: written field by field (asdict
+            # walks and copies each value, several times slower for a million cells).
+            "cells": [
+                {
+                    "variant": c.variant,
+                    "scenario": c.scenario,
+                    "parameter": c.parameter,
+                    "status": c.status,
+                    "norm": c.norm,
+                    "rel_error": c.rel_error,
+                    "verdict": c.verdict,
+                }
+                for c in self.cells
+            ],
             "findings": [asdict(f) for f in self.findings],
             "notes": dict(self.notes),
             "reference": self.reference,
@@ -255,12 +273,19 @@ class FlowMap:
         anywhere, nesting deeper than ``MAX_DEPTH``) raises one ``FlowMapFormatError`` that names the
         field. Fields this version does not know are ignored (later versions only add fields).
         """
+        return cls._build(d)
+
+    @classmethod
+    def _build(cls, d: Any, parsed: bool = False) -> FlowMap:
+        """``from_dict``; ``parsed``: ``d`` was just parsed from JSON by ``from_json`` (depth and numbers
+        already checked) and is gradprobe's own, so its cells are released as they are converted."""
         if not isinstance(d, Mapping):
             raise FlowMapFormatError(
                 f"not a gradprobe flow map: a flow map is a JSON object, got {_json_type(d)}"
             )
         _check_schema(d.get("schema"))
-        _check_depth(d)
+        if not parsed:
+            _check_depth(d)
         r = _Fields(d, "the flow map")
         try:
             fm = cls(
@@ -305,29 +330,8 @@ class FlowMap:
                     )
                     for x in r.objects("runs")
                 ),
-                parameters=tuple(
-                    ParameterInfo(
-                        p.text("name"),
-                        tuple(p.sizes("shape")),
-                        p.size("numel"),
-                        p.flag("requires_grad"),
-                        p.text("dtype", ""),
-                        p.text("device", ""),
-                    )
-                    for p in r.objects("parameters")
-                ),
-                cells=tuple(
-                    Cell(
-                        c.text("variant"),
-                        c.text("scenario"),
-                        c.text("parameter"),
-                        c.choice("status", STATUSES, what="status"),
-                        c.number("norm", None),
-                        c.number("rel_error", None),
-                        c.opt_choice("verdict", VERDICTS, what="verdict"),
-                    )
-                    for c in r.objects("cells")
-                ),
+                parameters=_parameters(r),
+                cells=_cells(r, consume=parsed),
                 findings=tuple(
                     Finding(
                         f.text("cause"),
@@ -372,13 +376,13 @@ class FlowMap:
         if isinstance(source, os.PathLike) or not _looks_like_json(source):
             path = Path(source)
             try:
-                text = _read_text(path, limit)
-                return cls.from_dict(_parse(text))
+                data = _parse(_read_text(path, limit))  # the text is freed before the map is built
+                return cls._build(data, parsed=True)
             except FlowMapFormatError as e:
                 raise FlowMapFormatError(f"{path}: {e}") from None
         if len(source) > limit:
             raise FlowMapFormatError(_too_large("the JSON text", len(source), limit))
-        return cls.from_dict(_parse(source))
+        return cls._build(_parse(source), parsed=True)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FlowMap):
@@ -511,7 +515,7 @@ class _Fields:
         x = self.get(key, default)
         if not isinstance(x, list | tuple):
             raise _malformed(self._at(key), "a list", x)
-        return list(x)
+        return x if type(x) is list else list(x)
 
     def texts(self, key: str, default: Any = _REQUIRED) -> list[str]:
         items = self.array(key, default)
@@ -529,13 +533,10 @@ class _Fields:
     def opt_obj(self, key: str) -> dict[str, Any] | None:
         return None if self.get(key, None) is None else self.obj(key)
 
-    def objects(self, key: str, default: Any = _REQUIRED) -> list[_Fields]:
-        out = []
+    def objects(self, key: str, default: Any = _REQUIRED) -> Iterator[_Fields]:
+        """Each element of a list of objects, checked as it is reached (no list of all of them)."""
         for i, x in enumerate(self.array(key, default)):
-            if not isinstance(x, Mapping):
-                raise _malformed(f"{self._at(key)}[{i}]", "an object", x)
-            out.append(_Fields(_str_keys(x, f"{self._at(key)}[{i}]"), f"{self._at(key)}[{i}]"))
-        return out
+            yield _object(x, f"{self._at(key)}[{i}]")
 
     def texts_by_name(self, key: str) -> dict[str, str]:
         d = self.obj(key, {})
@@ -561,7 +562,137 @@ def _str_keys(d: Mapping[Any, Any], where: str) -> dict[str, Any]:
     for k in d:
         if not isinstance(k, str):  # JSON keys are strings; from_dict may be handed other mappings
             raise _malformed(f"{where} key", "a string", k)
-    return dict(d)
+    return d if type(d) is dict else dict(d)  # read only: no copy of a plain dict
+
+
+def _object(x: Any, where: str) -> _Fields:
+    if not isinstance(x, Mapping):
+        raise _malformed(where, "an object", x)
+    return _Fields(_str_keys(x, where), where)
+
+
+_STATUSES = {x: x for x in STATUSES}
+_VERDICTS = {x: x for x in VERDICTS}
+
+
+def _cell_maker() -> Any:
+    """``Cell(...)`` at half the cost, for the million cells of a large map: the frozen dataclass's
+    ``__init__`` goes through ``object.__setattr__`` per field; this sets the same slots directly."""
+    fields = ("variant", "scenario", "parameter", "status", "norm", "rel_error", "verdict")
+    assert tuple(Cell.__slots__) == fields  # type: ignore[attr-defined]
+    sv, ss, sp, st, sn, sr, sx = (getattr(Cell, f).__set__ for f in fields)
+    new = object.__new__
+
+    def make(
+        variant: str,
+        scenario: str,
+        parameter: str,
+        status: str,
+        norm: float | None,
+        rel_error: float | None,
+        verdict: str | None,
+    ) -> Cell:
+        cell = new(Cell)
+        sv(cell, variant)
+        ss(cell, scenario)
+        sp(cell, parameter)
+        st(cell, status)
+        sn(cell, norm)
+        sr(cell, rel_error)
+        sx(cell, verdict)
+        return cell
+
+    return make
+
+
+_make_cell = _cell_maker()
+
+
+def _parameters(r: _Fields) -> tuple[ParameterInfo, ...]:
+    """The parameter list: a fast check per entry, the field-by-field reading where it fails."""
+    shared: dict[str, str] = {}
+    keep = shared.setdefault
+    out = []
+    where = r._at("parameters")
+    for i, x in enumerate(r.array("parameters")):
+        if type(x) is dict and len(x) <= 6:
+            name, shape, numel = x.get("name"), x.get("shape"), x.get("numel")
+            grad, dtype, device = x.get("requires_grad"), x.get("dtype", ""), x.get("device", "")
+            if (
+                type(name) is str
+                and type(shape) is list
+                and all(type(n) is int and 0 <= n <= _MAX_INT for n in shape)
+                and type(numel) is int
+                and 0 <= numel <= _MAX_INT
+                and type(grad) is bool
+                and type(dtype) is str
+                and type(device) is str
+            ):
+                out.append(
+                    ParameterInfo(name, tuple(shape), numel, grad, keep(dtype, dtype), keep(device, device))
+                )
+                continue
+        p = _object(x, f"{where}[{i}]")
+        out.append(
+            ParameterInfo(
+                p.text("name"),
+                tuple(p.sizes("shape")),
+                p.size("numel"),
+                p.flag("requires_grad"),
+                p.text("dtype", ""),
+                p.text("device", ""),
+            )
+        )
+    return tuple(out)
+
+
+def _cells(r: _Fields, consume: bool) -> tuple[Cell, ...]:
+    """The cells, most of a flow map: a fast check of each cell's fields, and for a cell that fails it
+    the field-by-field reading that names what is wrong. Strings that repeat (variant, scenario,
+    parameter, status names) are kept once. ``consume``: the list is gradprobe's own (just parsed) and
+    each cell's dict is released once converted, so the parsed cells and the converted ones are not
+    all held at once."""
+    items = r.array("cells")
+    shared: dict[str, str] = {}
+    keep = shared.setdefault
+    make = _make_cell
+    statuses, verdicts = _STATUSES, _VERDICTS  # the canonical strings, one object each
+    out: list[Cell] = []
+    append = out.append
+    where = r._at("cells")
+    for i, c in enumerate(items):
+        if type(c) is dict and len(c) <= 7:
+            v, s, p, st = c.get("variant"), c.get("scenario"), c.get("parameter"), c.get("status")
+            norm, rel, ver = c.get("norm"), c.get("rel_error"), c.get("verdict")
+            if (
+                type(v) is str
+                and type(s) is str
+                and type(p) is str
+                and type(st) is str
+                and (st := statuses.get(st)) is not None
+                and (ver is None or (type(ver) is str and (ver := verdicts.get(ver)) is not None))
+                and (norm is None or (type(norm) is float and norm != _INF and norm != _NINF))
+                and (rel is None or (type(rel) is float and rel != _INF and rel != _NINF))
+            ):
+                append(make(keep(v, v), keep(s, s), keep(p, p), st, norm, rel, ver))
+                if consume:
+                    items[i] = None
+                continue
+        f = _object(c, f"{where}[{i}]")
+        append(
+            Cell(
+                f.text("variant"),
+                f.text("scenario"),
+                f.text("parameter"),
+                f.choice("status", STATUSES, what="status"),
+                f.number("norm", None),
+                f.number("rel_error", None),
+                f.opt_choice("verdict", VERDICTS, what="verdict"),
+            )
+        )
+        if consume:
+            items[i] = None
+    return tuple(out)
 
 
 def _number(x: Any, where: str) -> float | None:
@@ -578,20 +709,26 @@ def _number(x: Any, where: str) -> float | None:
     if isinstance(x, bool) or not isinstance(x, int | float):
         raise _malformed(where, "a number", x)
     try:
-        return float(x)
+        value = float(x)
     except OverflowError:
         raise _malformed(where, "a number within the float range", x) from None
+    if math.isinf(value):  # a literal such as 1e999: JSON has no infinity, gradprobe writes "inf"
+        raise _malformed(where, "a number within the float range", x)
+    return value
 
 
 def _decode_nonfinite(x: Any) -> Any:
     """Measurement data (checks, second batch) with the strings "nan", "inf", "-inf" back as floats, as
-    they were before ``to_json`` encoded them: renderers format these numbers (depth is bounded)."""
+    they were before ``to_json`` encoded them: renderers format these numbers (depth is bounded).
+    Containers holding none of them are returned as they are, not copied."""
     if isinstance(x, str):
         return _NONFINITE.get(x, x)
     if isinstance(x, Mapping):
-        return {k: _decode_nonfinite(v) for k, v in x.items()}
+        decoded = {k: _decode_nonfinite(v) for k, v in x.items()}
+        return x if type(x) is dict and all(decoded[k] is v for k, v in x.items()) else decoded
     if isinstance(x, list | tuple):
-        return [_decode_nonfinite(v) for v in x]
+        items = [_decode_nonfinite(v) for v in x]
+        return x if type(x) is list and all(a is b for a, b in zip(items, x, strict=True)) else items
     return x
 
 
@@ -643,18 +780,95 @@ def _check_schema(schema: Any) -> None:
 
 
 def _check_depth(data: Any) -> None:
-    """Refuse nesting deeper than MAX_DEPTH (walked without recursion)."""
-    stack: list[tuple[Any, int]] = [(data, 1)]
+    """Refuse nesting deeper than MAX_DEPTH, and numbers past the float range (JSON has no infinity: an
+    inf here is a literal such as 1e999 that overflowed). Walked without recursion, holding one
+    iterator per level (never a list of every value)."""
+    stack = [iter((data,))]
     while stack:
-        x, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise FlowMapFormatError(
-                f"malformed flow map: nested more than {MAX_DEPTH} levels deep (gradprobe writes fewer than 10)"
-            )
-        if isinstance(x, Mapping):
-            stack.extend((v, depth + 1) for v in x.values())
-        elif isinstance(x, list | tuple):
-            stack.extend((v, depth + 1) for v in x)
+        for x in stack[-1]:
+            t = type(x)
+            if t is dict:
+                children: Any = x.values()
+            elif t is list:
+                children = x
+            elif t is str or t is int or t is bool or x is None:
+                continue
+            elif t is float:
+                if x == _INF or x == -_INF:
+                    raise FlowMapFormatError(_OUT_OF_RANGE)
+                continue
+            elif isinstance(x, Mapping):
+                children = x.values()
+            elif isinstance(x, list | tuple):
+                children = x
+            else:
+                continue
+            if not children:
+                continue
+            if len(stack) >= MAX_DEPTH:
+                raise FlowMapFormatError(
+                    f"malformed flow map: nested more than {MAX_DEPTH} levels deep (gradprobe writes fewer than 10)"
+                )
+            stack.append(iter(children))
+            break
+        else:
+            stack.pop()
+
+
+_INF, _NINF = math.inf, -math.inf
+_OUT_OF_RANGE = "malformed flow map: a number beyond the float range"
+
+
+class _LiteralFoundError(Exception):
+    pass
+
+
+def _out_of_range_literal(text: str) -> str:
+    """The first number literal in ``text`` that reads as inf: a second parse, only once one was found."""
+
+    def check(literal: str) -> float:
+        if math.isinf(value := float(literal)):
+            raise _LiteralFoundError(literal)
+        return value
+
+    try:
+        json.loads(text, parse_float=check, parse_constant=_reject_constant)
+    except _LiteralFoundError as found:
+        literal = str(found)
+        return literal if len(literal) <= 40 else literal[:37] + "..."
+    except Exception:
+        pass
+    return "?"
+
+
+# What parsing may take, per JSON value, at most: a list (header and spare room), a dict (header and
+# its first entries), a dict entry, a list slot with a float, a string that is not a key (json keeps
+# each key once). A flow map gradprobe writes comes to 4-7x its size by this count; 20 MB of "[],"
+# would take 1.2 GB (41x). Above MAX_PARSE_FACTOR the text is refused before it is parsed.
+MAX_PARSE_FACTOR = 9
+_DENSITY_FROM = 64 * 1024  # below this, whatever the parse takes is small
+
+
+def _check_density(text: str) -> None:
+    n = len(text)
+    if n < _DENSITY_FROM:
+        return
+    keys = text.count('":')
+    strings = text.count('"') // 2 - keys
+    estimate = (
+        72 * text.count("[")
+        + 160 * text.count("{")
+        + 16 * text.count(":")
+        + 32 * text.count(",")
+        + 60 * max(strings, 0)
+        + 8 * keys
+    )
+    if estimate > MAX_PARSE_FACTOR * n:
+        raise FlowMapFormatError(
+            f"malformed flow map: too many values for its size ({n:,} bytes holding values that would take "
+            f"about {estimate / n:.0f}x that to read; gradprobe writes maps that take under "
+            f"{MAX_PARSE_FACTOR}x): not read"
+        )
 
 
 def _check_consistency(fm: FlowMap) -> None:
@@ -737,13 +951,16 @@ _BINARY = {
 
 
 def _read_text(path: Path, limit: int) -> str:
-    """The file's text, refused before reading when over ``limit`` bytes; never anything but text."""
+    """The file's text, refused before reading when over ``limit`` bytes; never anything but text.
+    Memory: the file's bytes once, then its text (the bytes are freed on return)."""
     try:
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > limit:
                 raise FlowMapFormatError(_too_large("the file", size, limit))
-            data = f.read(limit + 1)  # a pipe or a device reports no size: read no more than allowed
+            # A pipe or a device reports no size: read in pieces, no further than allowed (one read
+            # of limit + 1 bytes would reserve all of it at once).
+            data = f.read(size + 1) if size else _read_pieces(f, limit + 1)
     except OSError as e:
         raise FlowMapFormatError(f"cannot read flow map: {e.strerror or e}") from None
     except ValueError as e:  # e.g. a NUL character in the path
@@ -765,6 +982,17 @@ def _read_text(path: Path, limit: int) -> str:
         ) from None
 
 
+def _read_pieces(f: Any, most: int) -> bytes:
+    pieces, total = [], 0
+    while total < most:
+        piece = f.read(min(2**20, most - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
+
+
 def _reject_constant(name: str) -> Any:
     raise FlowMapFormatError(
         f"flow map is not valid JSON: {name} is not a JSON value (flow maps write non-finite numbers as "
@@ -773,8 +1001,26 @@ def _reject_constant(name: str) -> Any:
 
 
 def _parse(text: str) -> Any:
+    """JSON text to plain data, its depth and numbers checked; refused first when its values would
+    take more than MAX_PARSE_FACTOR times its size to hold."""
     if not text.strip():
         raise FlowMapFormatError("flow map is not valid JSON: it is empty (truncated or never written?)")
+    _check_density(text)
+    data = _loads(text)
+    try:
+        # The cells, most of the map, are checked field by field as they are read (_cells), and
+        # what else they hold is dropped: the walk covers everything else.
+        _check_depth({k: v for k, v in data.items() if k != "cells"} if type(data) is dict else data)
+    except FlowMapFormatError as e:
+        if str(e) != _OUT_OF_RANGE:
+            raise
+        del data  # not held while the text is parsed again to find the literal
+    else:
+        return data
+    raise FlowMapFormatError(f"{_OUT_OF_RANGE} ({_out_of_range_literal(text)})")
+
+
+def _loads(text: str) -> Any:
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:

@@ -191,17 +191,13 @@ def per_term(
         for s in scenarios:
             if s.terms == (t,):
                 results[s.name] = by_term[t] = _reduced(s.name, grads, error, values, t0, keep)
-        # Unless kept, this term's gradients are gradprobe's own: the first sum they enter may
-        # accumulate into them in place instead of copying them.
-        owned = grads is not None and not keep
         for s in multi:
             if t not in s.terms:
                 continue
             if error is not None and error.type != "NoGradPath":
                 acc_error[s.name] = acc_error[s.name] or error
             elif grads is not None:
-                acc[s.name] = _add(acc[s.name], grads, owned)
-                owned = False
+                acc[s.name] = _add(acc[s.name], grads)
                 who = alone[s.name]
                 for i, g in enumerate(grads):
                     if g is not None:
@@ -226,27 +222,33 @@ def per_term(
     return list(terms), scenarios, [results[s.name] for s in scenarios]
 
 
-def _add(acc: Grads | None, grads: Grads, owned: bool = False) -> Grads:
+def _add(acc: Grads | None, grads: Grads) -> Grads:
     """``acc + grads`` where None is "no gradient" (None + g = g).
 
-    A gradient entering the sum is copied once, unless ``owned``: then it becomes the accumulator
-    itself when it is safe to add into in place (dense, non-overlapping, not aliasing another entry:
-    autograd can hand the same tensor to two parameters, or an expanded view).
+    The accumulator holds only gradprobe's own tensors: a gradient entering the sum is copied first,
+    because autograd may return a tensor someone else holds (a custom ``backward`` that hands back a
+    saved tensor of the user's batch, the same tensor for two parameters, an expanded view). The copy
+    costs no peak memory: the term's gradients are freed after they entered the sums. Dense pairs are
+    added in place in one batched call; a sparse gradient (``nn.Embedding(sparse=True)``) or a mix of
+    layouts is added out of place.
     """
     if acc is None:
         acc = [None] * len(grads)
-    held = {a.data_ptr() for a in acc if a is not None} if owned else set()
-    pairs = [(i, g) for i, g in enumerate(grads) if g is not None]
-    both = [(acc[i], g) for i, g in pairs if acc[i] is not None]
-    if both:
-        torch._foreach_add_([a for a, _ in both], [g for _, g in both])  # type: ignore[misc]
-    for i, g in pairs:
-        if acc[i] is None:
-            if owned and not g.is_sparse and g.is_contiguous() and g.data_ptr() not in held:
-                held.add(g.data_ptr())
-                acc[i] = g
-            else:
-                acc[i] = g.clone()
+    dense: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        a = acc[i]
+        if a is None:
+            acc[i] = g.clone()  # a fresh, dense (or sparse) tensor of gradprobe's own
+        elif a.layout == torch.strided and g.layout == torch.strided:
+            dense.append((a, g))
+        else:
+            # Sparse + sparse, or a mix, out of place: a new tensor. A dense tensor goes first
+            # (sparse + dense has no kernel; dense + sparse has).
+            acc[i] = g + a if g.layout == torch.strided else a + g
+    if dense:
+        torch._foreach_add_([a for a, _ in dense], [g for _, g in dense])  # type: ignore[misc]
     return acc
 
 

@@ -11,7 +11,7 @@ import torch
 
 from . import __version__
 from .balance import balance_report
-from .batch import check_devices, with_differentiable_inputs
+from .batch import check_devices, check_not_inference, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
 from .compare import consistency_tolerance, noise_pairs, tolerance, verdict
@@ -62,6 +62,11 @@ def probe(
     >>> fm.count("eager", "bias_reg only")
     (1, 2)
     """
+    if isinstance(checks, str):
+        raise SpecError(
+            f"checks must be a list of names, got the string {checks!r}: write checks=[{checks!r}] "
+            f"(or checks={[c.strip() for c in checks.split(',') if c.strip()]!r})"
+        )
     if isinstance(model, ProbeSpec):
         if step is not None or batch is not None or spec_fields:
             raise SpecError("probe(spec) takes no other spec fields: use dataclasses.replace(spec, ...)")
@@ -94,8 +99,22 @@ def run_probe(
     diagnose_: bool = False,
     checks: tuple[str, ...] = (),
 ) -> FlowMap:
+    # Called inside torch.inference_mode(), autograd would record nothing (enable_grad does not leave
+    # inference mode): the probe leaves it, and the caller's mode is back on return.
+    with torch.inference_mode(False):
+        return _run_probe(spec, variants, reference, diagnose_, checks)
+
+
+def _run_probe(
+    spec: ProbeSpec,
+    variants: Sequence[VariantSpec],
+    reference: str | None = None,
+    diagnose_: bool = False,
+    checks: tuple[str, ...] = (),
+) -> FlowMap:
     model = resolve_model(spec)
     named = list(model.named_parameters())
+    check_not_inference(spec.batch, named)
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise SpecError(

@@ -7,6 +7,7 @@ working as the dataclass grows. ``gradprobe run FILE.py[:FUNCTION]`` calls a fun
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,12 +102,52 @@ class ProbeSpec:
             names = list(self.terms)
             if len(set(names)) != len(names) or not names:
                 raise SpecError(f"terms must be non-empty and unique, got {names}")
+        _check_fields(self)
 
     def resolved_mode(self) -> Literal["terms", "weights"]:
         """The step contract in force: the explicit ``mode``, or inferred from the step's signature."""
         if self.mode != "auto":
             return self.mode
         return infer_mode(self.step)
+
+
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes an unsigned 64-bit seed
+
+
+def _shown(x: Any) -> str:
+    return f"the string {x!r}" if isinstance(x, str) else f"{x!r} ({type(x).__name__})"
+
+
+def _check_fields(spec: ProbeSpec) -> None:
+    """Fields of the wrong type fail here, with the fix, instead of deep inside a probe."""
+    seed = spec.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise SpecError(f"seed must be an integer from 0 to 2**64 - 1, got {_shown(seed)}")
+    if not isinstance(spec.notes, Mapping):
+        example = {str(spec.notes[0]): "why"} if isinstance(spec.notes, list | tuple) and spec.notes else {}
+        raise SpecError(
+            f"notes must be a mapping {{parameter name or prefix: why it may get no gradient}}, got "
+            f"{_shown(spec.notes)}; e.g. notes={example or {'aux_head': 'unused by design'}}"
+        )
+    clip = spec.clip_grad_norm
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, int | float) or not math.isfinite(clip) or clip <= 0
+    ):
+        raise SpecError(
+            f"clip_grad_norm must be a positive number (the max_norm given to clip_grad_norm_), got {_shown(clip)}"
+        )
+    opt = spec.optimizer
+    if opt is not None and not isinstance(opt, torch.optim.Optimizer) and not callable(opt):
+        raise SpecError(
+            f"optimizer must be a torch.optim.Optimizer or a factory params -> optimizer, got {_shown(opt)}; "
+            "e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)"
+        )
+    keys = spec.differentiable_inputs
+    if isinstance(keys, str) or not isinstance(keys, Sequence | set | frozenset):
+        raise SpecError(
+            f"differentiable_inputs must be a list of batch keys, got {_shown(keys)}; e.g. "
+            f"differentiable_inputs={[keys] if isinstance(keys, str) else ['coord']}"
+        )
 
 
 def infer_mode(step: Callable[..., Any]) -> Literal["terms", "weights"]:
@@ -131,12 +172,43 @@ def infer_mode(step: Callable[..., Any]) -> Literal["terms", "weights"]:
 
 
 def resolve_model(spec: ProbeSpec) -> torch.nn.Module:
-    """The spec's model, calling the factory if one was given."""
+    """The spec's model, calling the factory if one was given; a model without values (the meta
+    device, uninitialized lazy modules) is refused."""
     model = spec.model
     if not isinstance(model, torch.nn.Module):
         if not callable(model):
             raise SpecError(f"model must be an nn.Module or a factory, got {type(model).__name__}")
-        model = model()
+        try:
+            model = model()
+        except Exception as e:
+            if isinstance(spec.model, type):
+                raise SpecError(
+                    f"model is the class {spec.model.__name__}, not an instance: pass "
+                    f"{spec.model.__name__}(...) (a class is called as a zero-argument factory, and "
+                    f"{spec.model.__name__}() raised {type(e).__name__}: {e})"
+                ) from e
+            raise SpecError(
+                f"the model factory raised {type(e).__name__}: {e} (the factory is called with no arguments "
+                "and must return the nn.Module to probe)"
+            ) from e
         if not isinstance(model, torch.nn.Module):
             raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    _check_values(model)
     return model
+
+
+def _check_values(model: torch.nn.Module) -> None:
+    from torch.nn.parameter import is_lazy
+
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if is_lazy(t):
+            owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            raise SpecError(
+                f"{name} is uninitialized ({type(owner).__name__} infers its shape on its first call): run "
+                "one forward on a batch before probing, e.g. model(batch), so that it has parameters"
+            )
+        if t.is_meta:
+            raise SpecError(
+                f"{name} is on the meta device: it has a shape but no values. Materialize the model first "
+                "(model.to_empty(device='cpu') and load_state_dict(...), or build it on a real device)"
+            )

@@ -1,17 +1,33 @@
-"""Leave the user's objects exactly as found: parameters, ``.grad``, ``requires_grad``, train/eval mode,
-buffers, RNG streams, grad mode and the global torch settings a step or a compile may change (default
-dtype, deterministic algorithms, anomaly mode, float32 matmul precision, ``torch.autograd.grad``, and the
-dynamo / inductor / functorch / compiler config values) are saved before a probe and restored after it,
-even on error and on ``KeyboardInterrupt`` (which is re-raised, never recorded).
+"""Leave the user's objects exactly as found, even on error and on ``KeyboardInterrupt`` (which is
+re-raised, never recorded). One mechanism for all of it:
+
+* the model (``_snapshot_model``): parameters, their ``.grad`` objects and values, ``requires_grad``,
+  buffers, every module's attributes as bindings (a shallow copy of each ``__dict__``: a counter, a
+  stored activation, old-style ``weight_norm``'s computed weight, attributes the step added, replaced
+  parameters and submodules), the contents of nn.Module's own containers (parameters, buffers,
+  submodules, hook dicts), and tensor hooks on parameters;
+* process-wide state (``GLOBALS``, each a ``Global(name, read, write)``, added with ``register``):
+  grad mode, default dtype and device, deterministic algorithms, anomaly mode, matmul precision,
+  ``torch.autograd.grad``, threads, warn-always, flush-denormal, autograd multithreading, cudnn/mkldnn
+  flags, the function-mode and dispatch-mode stacks, global module and optimizer hooks, the dynamo /
+  inductor / functorch / compiler configs, the RNG streams. Other modules register their own pieces.
+
+Not restored: the contents of objects a module attribute refers to (a list the step appends to, a
+plain tensor attribute edited in place, a cache object's state), anything outside the model and torch
+(the user's globals, files).
+
+Probes in several threads run one at a time (``_PROBE_LOCK``): each reseeds and restores process-wide
+state, which two at once would interleave.
 
 Cost: one copy of the parameters, ``.grad`` and buffers (on their own device) for the duration of the
 probe, written back once at the end (one read of the copy and one write, no comparison and no host
-sync: cheaper than checking what changed, and it also undoes what no version counter records), and a
-copy of the already imported compiler config modules (about a millisecond). The write-back goes through
-aliases with version counters of their own, so a tensor the step left alone keeps its ``_version``.
-Tensor subclasses and overlapping or conjugate views are compared first and written only if changed.
-(Writing also dirties the pages of a model memory-mapped from a file, ``torch.load(mmap=True)``: they
-become private memory, as any write would make them.)
+sync: cheaper than checking what changed, and it also undoes what no version counter records), a
+shallow copy of each module's ``__dict__``, and a copy of the already imported compiler config modules
+(about a millisecond). The write-back goes through aliases with version counters of their own, so a
+tensor the step left alone keeps its ``_version``. Tensor subclasses and overlapping or conjugate views
+are compared first and written only if changed. (Writing also dirties the pages of a model
+memory-mapped from a file, ``torch.load(mmap=True)``: they become private memory, as any write would
+make them.)
 """
 
 from __future__ import annotations
@@ -19,12 +35,15 @@ from __future__ import annotations
 import importlib
 import random
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.optim.optimizer
+import torch.utils.deterministic
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -125,13 +144,79 @@ class _Saved:
                     _copy_into(self.aliases[i], self.copies[i])
 
 
+_MISSING = object()
+
+
+def _same_items(a: Any, b: Any) -> bool:
+    """Two snapshots of a container hold the same keys and the very same objects (no tensor ``==``)."""
+    if isinstance(a, list):
+        return len(a) == len(b) and all(k == j and v is w for (k, v), (j, w) in zip(a, b, strict=True))
+    return a == b  # sets of names
+
+
+def _contents(container: Any) -> Any:
+    return list(container.items()) if isinstance(container, dict) else set(container)
+
+
+def _put_back(container: Any, contents: Any) -> None:
+    if not _same_items(_contents(container), contents):
+        container.clear()
+        container.update(contents)
+
+
+def _is_machinery(key: str, value: Any) -> bool:
+    """Containers nn.Module keeps its parts in (filled in place by ``register_*`` and ``setattr``):
+    parameters, buffers, submodules, the non-persistent buffer names, and every hook dict."""
+    return isinstance(value, dict | set) and (
+        key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set") or "hooks" in key
+    )
+
+
+class _Attributes:
+    """Every module's attributes as bindings (a shallow copy of ``__dict__``: which object each name
+    holds, not the objects' contents), and the contents of nn.Module's own containers. Restoring puts
+    back a counter the step bumped, a stored activation, old-style ``weight_norm``'s computed weight,
+    a replaced parameter or submodule, and removes attributes, buffers and hooks the step added.
+    Tensor hooks on parameters (``register_hook``, ``register_post_accumulate_grad_hook``) likewise."""
+
+    def __init__(self, modules: list[torch.nn.Module], params: list[torch.nn.Parameter]) -> None:
+        self.modules = []
+        for m in modules:
+            d = dict(vars(m))
+            self.modules.append((m, d, [(v, _contents(v)) for k, v in d.items() if _is_machinery(k, v)]))
+        self.tensor_hooks = [
+            (p, name, hooks, None if hooks is None else _contents(hooks))
+            for p in params
+            for name in ("_backward_hooks", "_post_accumulate_grad_hooks")
+            for hooks in [getattr(p, name, None)]
+        ]
+
+    def restore(self) -> None:
+        for m, saved, containers in self.modules:
+            current = vars(m)
+            for key in [k for k in current if k not in saved]:
+                del current[key]
+            for key, value in saved.items():
+                if current.get(key, _MISSING) is not value:
+                    current[key] = value
+            for container, contents in containers:
+                _put_back(container, contents)
+        for p, name, hooks, contents in self.tensor_hooks:
+            now = getattr(p, name, None)
+            if now is None:
+                continue
+            if hooks is None:
+                now.clear()  # hooks the step added, on a dict autograd already holds: emptied
+            elif now is hooks:
+                _put_back(hooks, contents)
+
+
 @dataclass
 class _ModelState:
     params: list[torch.nn.Parameter]
     requires_grad: list[bool]
     grads: list[torch.Tensor | None]
-    buffers: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor | None]]
-    modes: list[tuple[torch.nn.Module, bool]]
+    attributes: _Attributes
     saved: _Saved
 
 
@@ -139,17 +224,16 @@ def _snapshot_model(model: torch.nn.Module) -> _ModelState:
     params = list(model.parameters())
     grads = [p.grad for p in params]
     modules = list(model.modules())
-    buffers = [(m._buffers, name, b) for m in modules for name, b in m._buffers.items()]
-    tensors: list[torch.Tensor] = [*params, *(g for g in grads if g is not None)]
-    tensors += [b for _, _, b in buffers if b is not None]
+    buffers = [b for m in modules for b in m._buffers.values() if b is not None]
+    tensors: list[torch.Tensor] = [*params, *(g for g in grads if g is not None), *buffers]
     with torch.no_grad():
         saved = _Saved(tensors)
-    return _ModelState(
-        params, [p.requires_grad for p in params], grads, buffers, [(m, m.training) for m in modules], saved
-    )
+    return _ModelState(params, [p.requires_grad for p in params], grads, _Attributes(modules, params), saved)
 
 
 def _restore_model(state: _ModelState) -> None:
+    # Attributes first (the modules' parameters, buffers and modes are attributes too), then values.
+    state.attributes.restore()
     with torch.no_grad():
         state.saved.restore()
         for p, requires_grad, grad in zip(state.params, state.requires_grad, state.grads, strict=True):
@@ -158,11 +242,6 @@ def _restore_model(state: _ModelState) -> None:
             # The very .grad object the user had (optimizers and hooks may hold it), values as they were.
             if p.grad is not grad:
                 p.grad = grad
-        for module_buffers, name, b in state.buffers:
-            module_buffers[name] = b
-    for module, training in state.modes:
-        if module.training != training:
-            module.training = training
 
 
 @dataclass
@@ -193,6 +272,149 @@ def _restore_rng(state: _RngState) -> None:
         sys.modules["numpy"].random.set_state(state.numpy)
 
 
+# ----- process-wide state: one mechanism ----------------------------------------------------------
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return a is b or bool(a == b)
+
+
+@dataclass(frozen=True)
+class Global:
+    """One piece of process-wide (or thread-wide) state a step or a compile may change: how to read it,
+    and how to put a value read before back. ``write`` runs only where ``same(now, saved)`` is False.
+    A piece that cannot be read here (a backend not built in) is not saved, and so not restored."""
+
+    name: str
+    read: Callable[[], Any]
+    write: Callable[[Any], None]
+    same: Callable[[Any, Any], bool] = _equal
+
+
+GLOBALS: list[Global] = []
+
+
+def register(name: str, read: Callable[[], Any], write: Callable[[Any], None], same: Any = _equal) -> Global:
+    """Save and restore one more piece of process-wide state around every probe (restored in the order
+    registered). Other parts of gradprobe add their own here (e.g. dynamo's skip marks) instead of
+    saving it themselves."""
+    g = Global(name, read, write, same)
+    GLOBALS.append(g)
+    return g
+
+
+def _never_same(a: Any, b: Any) -> bool:
+    return False  # the writer compares item by item, or writing is as cheap as comparing
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _flush_denormal() -> bool:
+    # torch has a setter and no getter: a float64 subnormal times one is zero when denormals are flushed.
+    with torch._C.DisableTorchFunction():
+        tiny = torch.full((1,), 1e-310, dtype=torch.float64, device="cpu")
+        return bool((tiny * 1.0).item() == 0.0)
+
+
+def _default_device_context() -> Any:
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+
+
+def _set_default_device_context(saved: Any) -> None:
+    """``torch.set_default_device``'s own steps, back to the saved context object: it keeps its
+    ``DeviceContext`` at the bottom of the function-mode stack (restored next, around it)."""
+    current = _default_device_context()
+    if current is not None:
+        current.__exit__(None, None, None)
+    if saved is not None:
+        saved.__enter__()
+    torch._GLOBAL_DEVICE_CONTEXT.device_context = saved
+
+
+def _same_stack(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _function_modes() -> list[Any]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
+def _set_function_modes(saved: list[Any]) -> None:
+    from torch.overrides import _pop_mode, _push_mode
+
+    while torch._C._len_torch_function_stack():
+        _pop_mode()
+    for mode in saved:
+        _push_mode(mode)
+
+
+def _dispatch_modes() -> list[Any]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def _set_dispatch_modes(saved: list[Any]) -> None:
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    while torch._C._len_torch_dispatch_stack():
+        _pop_mode()
+    for mode in saved:
+        _push_mode(mode)
+
+
+def _hook_dicts(module: Any) -> Callable[[], dict[str, Any]]:
+    """Module-level hook registries (dicts of handles, and the odd flag beside them)."""
+
+    def read() -> dict[str, Any]:
+        return {
+            name: dict(v) if isinstance(v, dict) else v
+            for name in dir(module)
+            if name.startswith("_global_")
+            and (isinstance(v := getattr(module, name), dict) or "hook" in name)
+        }
+
+    return read
+
+
+def _set_hook_dicts(module_name: str) -> Callable[[dict[str, Any]], None]:
+    def write(saved: dict[str, Any]) -> None:
+        module = sys.modules[module_name]
+        for name, value in saved.items():
+            current = getattr(module, name, None)
+            if isinstance(value, dict) and isinstance(current, dict):
+                if list(current.items()) != list(value.items()):
+                    current.clear()
+                    current.update(value)
+            elif current is not value:
+                setattr(module, name, value)
+
+    return write
+
+
+def _same_hooks(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        list(x.items()) == list(b[k].items()) if isinstance(x, dict) else x is b[k] for k, x in a.items()
+    )
+
+
+def _flag(path: str) -> Global:
+    """A boolean attribute of a torch.backends module (cudnn, matmul precision flags)."""
+    module_name, _, attr = path.rpartition(".")
+
+    def owner() -> Any:
+        obj: Any = torch
+        for part in module_name.split(".")[1:]:
+            obj = getattr(obj, part)
+        return obj
+
+    return register(path, lambda: getattr(owner(), attr), lambda v: setattr(owner(), attr, v))
+
+
 # Config modules restored value by value when already imported before the probe (a compile imports
 # them; a step may set e.g. ``torch._dynamo.config.recompile_limit``; gradprobe itself only patches
 # ``torch._inductor.config.fallback_random`` inside a context manager).
@@ -204,17 +426,6 @@ CONFIG_MODULES = (
 )
 
 
-@dataclass
-class _Settings:
-    grad_enabled: bool
-    default_dtype: torch.dtype
-    deterministic: tuple[bool, bool]  # enabled, warn_only
-    anomaly: tuple[bool, bool]  # enabled, check_nan
-    matmul_precision: str
-    autograd_grad: Any
-    configs: list[tuple[Any, dict[str, Any]]]
-
-
 def _config_values(module: Any) -> dict[str, Any] | None:
     try:
         return module.get_config_copy()  # a deep copy of the values that are not immutable
@@ -222,74 +433,147 @@ def _config_values(module: Any) -> dict[str, Any] | None:
         return None
 
 
-def _snapshot_settings() -> _Settings:
-    configs = []
-    for name in CONFIG_MODULES:
+def _read_config(name: str) -> Callable[[], Any]:
+    def read() -> Any:
         module = sys.modules.get(name)
         values = _config_values(module) if hasattr(module, "get_config_copy") else None
-        if values is not None:
-            configs.append((module, values))
-    return _Settings(
-        torch.is_grad_enabled(),
-        torch.get_default_dtype(),
-        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
-        (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-        torch.get_float32_matmul_precision(),
-        torch.autograd.grad,
-        configs,
-    )
+        if values is None:
+            raise LookupError(name)  # not imported, or not copyable: not saved, not restored
+        return module, values
+
+    return read
 
 
-def _restore_settings(state: _Settings) -> None:
-    torch.set_grad_enabled(state.grad_enabled)
-    if torch.get_default_dtype() != state.default_dtype:
-        torch.set_default_dtype(state.default_dtype)
-    now = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    if now != state.deterministic:
-        torch.use_deterministic_algorithms(state.deterministic[0], warn_only=state.deterministic[1])
-    if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != state.anomaly:
-        torch.autograd.set_detect_anomaly(*state.anomaly)
-    if torch.get_float32_matmul_precision() != state.matmul_precision:
-        torch.set_float32_matmul_precision(state.matmul_precision)
-    if torch.autograd.grad is not state.autograd_grad:
-        torch.autograd.grad = state.autograd_grad
-    for module, saved in state.configs:
-        current = _config_values(module)
-        for key, value in saved.items():
-            try:
-                now = current[key] if current is not None else getattr(module, key)
-                if now is not value and bool(now != value):
-                    setattr(module, key, value)
-            except Exception:  # a key gone, or values that cannot be compared: leave it
-                continue
+def _write_config(saved: tuple[Any, dict[str, Any]]) -> None:
+    module, values = saved
+    current = _config_values(module)
+    for key, value in values.items():
+        try:
+            now = current[key] if current is not None else getattr(module, key)
+            if now is not value and bool(now != value):
+                setattr(module, key, value)
+        except Exception:  # a key gone, or values that cannot be compared: leave it
+            continue
+
+
+def _set_deterministic(saved: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def _set_autograd_grad(saved: Any) -> None:
+    torch.autograd.grad = saved
+
+
+def _set_fill_uninitialized(saved: bool) -> None:
+    torch.utils.deterministic.fill_uninitialized_memory = saved  # type: ignore[attr-defined]
+
+
+register("grad mode", torch.is_grad_enabled, torch.set_grad_enabled)
+register("default dtype", torch.get_default_dtype, torch.set_default_dtype)
+register("deterministic algorithms", _deterministic, _set_deterministic)
+register(
+    "fill uninitialized memory",
+    lambda: torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+    _set_fill_uninitialized,
+)
+register(
+    "anomaly mode",
+    lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+    lambda v: torch.autograd.set_detect_anomaly(*v),
+)
+register("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
+register("torch.autograd.grad", lambda: torch.autograd.grad, _set_autograd_grad, lambda a, b: a is b)
+register("intra-op threads", torch.get_num_threads, torch.set_num_threads)
+register("warn always", torch.is_warn_always_enabled, torch.set_warn_always)
+register("flush denormal", _flush_denormal, torch.set_flush_denormal)
+register("autograd multithreading", torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled)
+for _path in (
+    "torch.backends.cudnn.enabled",
+    "torch.backends.cudnn.benchmark",
+    "torch.backends.cudnn.deterministic",
+    "torch.backends.cudnn.allow_tf32",
+    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "torch.backends.mkldnn.enabled",
+):
+    _flag(_path)
+
+
+def _cuda_device() -> int:
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        raise LookupError("CUDA not initialised")  # nothing to save
+    return torch.cuda.current_device()
+
+
+register("current CUDA device", _cuda_device, torch.cuda.set_device)
+# The default device before the function-mode stack: its context lives at the stack's bottom.
+register("default device", _default_device_context, _set_default_device_context, lambda a, b: a is b)
+register("function-mode stack", _function_modes, _set_function_modes, _same_stack)
+register("dispatch-mode stack", _dispatch_modes, _set_dispatch_modes, _same_stack)
+register(
+    "global module hooks",
+    _hook_dicts(sys.modules["torch.nn.modules.module"]),
+    _set_hook_dicts("torch.nn.modules.module"),
+    _same_hooks,
+)
+register(
+    "global optimizer hooks",
+    _hook_dicts(sys.modules["torch.optim.optimizer"]),
+    _set_hook_dicts("torch.optim.optimizer"),
+    _same_hooks,
+)
+for _name in CONFIG_MODULES:
+    register(_name, _read_config(_name), _write_config, _never_same)
+register("RNG streams", lambda: _snapshot_rng(), lambda v: _restore_rng(v), _never_same)
+
+
+def _snapshot_globals() -> list[tuple[Global, Any]]:
+    saved = []
+    for g in GLOBALS:
+        try:
+            saved.append((g, g.read()))
+        except Exception:  # not readable here: not saved, so not restored
+            continue
+    return saved
+
+
+def _restore_globals(saved: list[tuple[Global, Any]]) -> list[Exception]:
+    errors: list[Exception] = []
+    for g, value in saved:
+        try:
+            if not g.same(g.read(), value):
+                g.write(value)
+        except Exception as e:  # each piece is restored even if another fails
+            errors.append(e)
+    return errors
+
+
+# One probe at a time per process: probes reseed the process-wide RNG and save and restore the
+# process-wide state above, so two at once in two threads would draw each other's random numbers and
+# undo each other's restores. Reentrant: a step may itself call probe().
+_PROBE_LOCK = threading.RLock()
 
 
 @contextmanager
 def preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Run the body, then put the model, the RNG streams and the global settings back as they were."""
-    model_state = _snapshot_model(model)
-    rng_state = _snapshot_rng()
-    settings = _snapshot_settings()
-    try:
-        yield
-    finally:
-        # Each part is restored even if another fails. A failure to restore is raised after all ran,
-        # unless the body is already raising (its exception, a KeyboardInterrupt say, goes on).
-        errors: list[BaseException] = []
-        for restore, state in (
-            (_restore_settings, settings),
-            (_restore_rng, rng_state),
-            (_restore_model, model_state),
-        ):
+    """Run the body, then put the model and every registered piece of process-wide state (``GLOBALS``:
+    settings, RNG streams, mode stacks, hooks, configs) back as they were. Probes in several threads
+    run one at a time."""
+    with _PROBE_LOCK:
+        model_state = _snapshot_model(model)
+        saved = _snapshot_globals()
+        try:
+            yield
+        finally:
+            # Each part is restored even if another fails. A failure to restore is raised after all ran,
+            # unless the body is already raising (its exception, a KeyboardInterrupt say, goes on).
+            errors = _restore_globals(saved)
             try:
-                restore(state)  # type: ignore[operator]
+                _restore_model(model_state)
             except Exception as e:
                 errors.append(e)
-        if errors and sys.exc_info()[1] is None:
-            raise errors[0]
+            if errors and sys.exc_info()[1] is None:
+                raise errors[0]
 
 
 @contextmanager
@@ -301,11 +585,13 @@ def isolated_settings(import_configs: bool = False) -> Iterator[None]:
     if import_configs:
         for name in CONFIG_MODULES:
             importlib.import_module(name)
-    settings = _snapshot_settings()
+    saved = _snapshot_globals()
     try:
         yield
     finally:
-        _restore_settings(settings)
+        errors = _restore_globals(saved)
+        if errors and sys.exc_info()[1] is None:
+            raise errors[0]
 
 
 def reseed(seed: int) -> None:

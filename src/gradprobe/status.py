@@ -4,7 +4,8 @@ Statuses are ``none`` (no gradient), ``zero`` (exactly zero), ``nonzero``, ``nan
 status is decided on the L1 norm (exact for zero and NaN; an infinite L1 norm is checked against the
 largest absolute value, which never overflows); the recorded norm is the L1 norm accumulated in float32
 or wider (an L2 norm of a 1e-30 float32 gradient reads as zero; 100,000 float16 ones sum to inf in
-float16).
+float16), and where even that overflows for finite values, the largest absolute value times the L1
+norm of the gradient divided by it, multiplied in float64 on the host.
 """
 
 from __future__ import annotations
@@ -77,9 +78,23 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
     for i in overflow:
         again.setdefault((grads[i].device, grads[i].dtype), []).append(i)  # type: ignore[union-attr]
     for idx in again.values():
-        amax = torch.stack([torch.linalg.vector_norm(_dense(grads[i]), math.inf) for i in idx])  # type: ignore[arg-type]
-        for i, a in zip(idx, amax.cpu().tolist(), strict=True):
+        dense = [_dense(grads[i]) for i in idx]  # type: ignore[arg-type]
+        amax = torch.stack([torch.linalg.vector_norm(g, math.inf) for g in dense])
+        # A finite gradient whose L1 sum overflowed the accumulation dtype (10,000 float32 values of
+        # 1e36): the norm is amax * sum(|g| / amax), the sum at most numel, multiplied on the host in
+        # float64. No float64 kernel is needed on the device.
+        ratio = torch.stack(
+            [
+                torch.linalg.vector_norm(
+                    g / torch.where(a > 0, a, 1).to(g.dtype), 1, dtype=_accumulation_dtype(g.dtype)
+                )
+                for g, a in zip(dense, amax, strict=True)
+            ]
+        )
+        for i, a, r in zip(idx, amax.cpu().tolist(), ratio.cpu().tolist(), strict=True):
             statuses[i] = status_of(a)
+            if math.isfinite(a):
+                norms[i] = a * r  # inf only past float64's range
     return statuses, norms
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .flowmap import FlowMap
+from .report.controls import visible
 from .spec import ProbeSpec
 
 NORM_RTOL = 1e-6  # norms may drift by this much between runs and machines without counting as a change
@@ -84,7 +85,7 @@ def assert_grad_flow(
     problems = grad_flow_problems(target, reaches=reaches, not_reaches=not_reaches, allow=allow)
     if problems:
         shown = problems[:20] + ([f"… and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise AssertionError("gradient flow broken:\n  " + "\n  ".join(shown))
+        raise AssertionError(visible("gradient flow broken:\n  " + "\n  ".join(shown)))
     return target
 
 
@@ -154,9 +155,11 @@ class Snapshot:
         if changes:
             shown = changes[:20] + ([f"… and {len(changes) - 20} more"] if len(changes) > 20 else [])
             raise AssertionError(
-                f"gradient flow differs from the snapshot {self.path.name} ({len(changes)} change(s)):\n  "
-                + "\n  ".join(shown)
-                + "\n(if the change is intended, rerun with --gradprobe-update to rewrite the snapshot)"
+                visible(
+                    f"gradient flow differs from the snapshot {self.path.name} ({len(changes)} change(s)):\n  "
+                    + "\n  ".join(shown)
+                    + "\n(if the change is intended, rerun with --gradprobe-update to rewrite the snapshot)"
+                )
             )
 
 

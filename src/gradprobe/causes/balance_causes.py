@@ -16,7 +16,7 @@ from .common import names
 
 def detect(fm: FlowMap) -> list[Finding]:
     b = fm.checks.get("balance")
-    if not b:
+    if not b or b.get("error"):  # a balance check that could not run is failed_checks' finding
         return []
     out = []
     schedule = b.get("prefactor_schedule") or {}

@@ -5,7 +5,8 @@
   located by the lineage of the energy path with the coordinates as sources (where the dependence on
   the coordinates stops carrying gradient).
 * term-not-decreasing: the training check finds a term whose loss does not go down.
-* check-could-not-run: a check raised (the model cannot be copied, the step fails on a copy...).
+* check-could-not-run: a check, or a part of one, raised (the model cannot be copied, the step fails
+  on a later call...).
 
 The checks run on the reference's code (``energy_fn``/``predict`` on the model): when they fail, the
 reference is the culprit, and ``flow-mismatch`` says so instead of blaming another path.
@@ -26,6 +27,10 @@ def detect(fm: FlowMap) -> list[Finding]:
         result = fm.checks.get(name)
         if isinstance(result, dict) and result.get("error") and result.get("passed") is False:
             out.append(_could_not_run(name, str(result["error"])))
+        elif name == "balance" and isinstance(result, dict) and isinstance(result.get("errors"), dict):
+            # Parts of a check that could not run while the rest did (the balance check's effective
+            # update on a model that cannot be copied, a step that raises on a later call).
+            out.extend(_could_not_run(f"{name} ({part})", str(e)) for part, e in result["errors"].items())
     for path, physics in physics_results(fm):
         if physics.get("passed", True):
             continue
@@ -36,9 +41,7 @@ def detect(fm: FlowMap) -> list[Finding]:
         own = [f for f in physics.get("failures") or () if "reference path" not in f]
         if own and not ghost_signature(physics):
             out.append(_not_conservative(fm, path, physics))
-        if not own and len(
-            physics.get("failures") or ()
-        ):  # its own physics is right: only the outputs differ
+        if not own and physics.get("failures"):  # its own physics is right: only the outputs differ
             out.append(_outputs_differ(fm, path, physics, _reference_fails(fm)))
     training = fm.checks.get("training")
     if training and not training.get("error"):

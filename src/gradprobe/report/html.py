@@ -2,19 +2,20 @@
 (parameter, scenario, variant) cell, gradient-norm charts per term, training curves, environment.
 
 No network at view time: CSS, SVG and a few lines of JS are inline, fonts are the system's. Every
-user-derived string (names, messages, paths, code) goes through ``esc`` (``html.escape``), also inside
-attributes; the heat-map tooltips are escaped ``title`` attributes that the JS only copies as text.
+user-derived string (names, messages, paths, code) goes through ``esc`` (what ``html.escape`` does),
+also inside attributes; the heat-map tooltips are escaped ``title`` attributes that the JS only copies
+as text.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from ..flowmap import Finding, FlowMap, Run
+from .controls import visible
 from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 SYMBOL = {"nan": "N", "inf": "∞", "zero": "0", "failed": "×", "wrong": "≠", "missing": "−", "extra": "+"}
@@ -63,9 +64,13 @@ if(!hm)return;hm.addEventListener('mouseover',function(e){var c=e.target.closest
 if(c)info.textContent=c.getAttribute('title').split('\\n').join('  \\u00b7  ');});hm.dataset.ready='1';})();"""
 
 
+# html.escape(quote=True) as one pass of str.translate: the heat map escapes a name per cell.
+_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#x27;"})
+
+
 def esc(x: object) -> str:
     """HTML-escaped text, safe in element content and in quoted attributes."""
-    return html.escape(str(x), quote=True)
+    return str(x).translate(_ESCAPES)
 
 
 def _num(x: float | None, fmt: str = ".3g") -> str:
@@ -391,7 +396,7 @@ def render_html(fm: FlowMap) -> str:
     """The whole report as one self-contained HTML page."""
     sections = (_header, _findings, _summary, _heatmap, _norm_charts, _checks, _diffs, _environment)
     body = "".join(section(fm) for section in sections)
-    return (
+    return visible(
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>gradprobe: {esc(verdict(fm))}</title><style>{CSS}</style></head>"

@@ -12,6 +12,7 @@ import os
 import re
 
 from ..flowmap import Finding, FlowMap
+from .controls import visible
 from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 DIFFERS = "⚠"
@@ -159,4 +160,4 @@ def render_markdown(fm: FlowMap) -> str:
     for f in info:
         out.extend(finding_markdown(f))
     out.append(f"<sub>gradprobe {md_escape(fm.gradprobe_version)}, torch {md_escape(fm.torch_version)}</sub>")
-    return "\n".join(out) + "\n"
+    return visible("\n".join(out) + "\n")

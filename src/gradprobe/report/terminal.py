@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from ..causes.common import names, note_for
 from ..causes.flow_mismatch import mismatch_summary
 from ..flowmap import Finding, FlowMap, RunError
+from .controls import visible
 
 LABEL_WIDTH = 23
 PROBLEM = "<-- problem"
@@ -121,10 +122,11 @@ def diff_lines(
     ref = fm.reference
     cells = fm.cells_of(variant, scenario)
     ref_cells = fm.cells_of(ref, scenario)
+    trainable = fm.trainable_set
     rows = [
         (p, ref_cells[p].status if p in ref_cells else "-", c.status, c.rel_error, c.verdict)
         for p, c in cells.items()
-        if p in fm.trainable and (show_all or c.verdict not in (None, "match"))
+        if p in trainable and (show_all or c.verdict not in (None, "match"))
     ]
     if not rows:
         return []
@@ -238,7 +240,10 @@ def dynamo_facts(fm: FlowMap, variant: str) -> str:
 def _agreement(fm: FlowMap, variant: str) -> str:
     """'matches eager on all 56 cells (max rel. error 8.9e-16)', or how many cells differ."""
     cells = [
-        c for s in fm.scenario_names for c in fm.cells_of(variant, s).values() if c.parameter in fm.trainable
+        c
+        for s in fm.scenario_names
+        for c in fm.cells_of(variant, s).values()
+        if c.parameter in fm.trainable_set
     ]
     failed = sum(fm.run(variant, s).error is not None for s in fm.scenario_names)
     differing = sum(c.verdict not in (None, "match") for c in cells)
@@ -271,8 +276,12 @@ def check_lines(fm: FlowMap) -> list[str]:
         lines.append(
             f"consistency vs {fm.reference} (rtol {c['rtol']:g}, atol {c['atol']:g}): " + "; ".join(parts)
         )
+    for name in ("physics", "balance", "training"):  # a check that raised: its error, nothing else
+        result = checks.get(name)
+        if isinstance(result, dict) and result.get("error"):
+            lines.append(f"{name}: could not run — {result['error']}")
     p = checks.get("physics")
-    if p:
+    if p and not p.get("error"):
         head = "PASS" if p["passed"] else "FAIL"
         parts = [
             f"force vs -dE/dx {p['force']['max_rel_error']:.2g}",
@@ -308,7 +317,7 @@ def check_lines(fm: FlowMap) -> list[str]:
         )
         lines.append(f"shape sweep, {v}: {result}")
     b = checks.get("balance")
-    if b:
+    if b and not b.get("error"):
         groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
         width = max(len("term"), *(len(t) for t in b["shares"])) + 2
         cols = [max(len(g), 7) + 2 for g in groups]
@@ -327,8 +336,11 @@ def check_lines(fm: FlowMap) -> list[str]:
                 f"  one {b['effective_update']['optimizer']} step, each term alone vs all together (cosine): "
                 + ", ".join(f"{t} {u['cosine_with_joint']:.2f}" for t, u in update.items())
             )
+        lines.extend(
+            f"  balance ({part}): could not run — {error}" for part, error in (b.get("errors") or {}).items()
+        )
     t = checks.get("training")
-    if t:
+    if t and not t.get("error"):
         lines.append(f"training ({t['steps']} {t['optimizer']} steps per term, on a copy):")
         for v, verdicts in t["verdicts"].items():
             gap = t["divergence_from_reference"].get(v)
@@ -407,4 +419,4 @@ def render(fm: FlowMap, *, show_all: bool = False) -> str:
         out.append("")
         for f in info:
             out.extend(finding_lines(f))
-    return "\n".join(out) + "\n"
+    return visible("\n".join(out) + "\n")
