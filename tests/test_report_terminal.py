@@ -31,8 +31,14 @@ def test_summary_table_with_several_variants():
     assert summary_table(two_variant_map()) == (
         "                       eager   make_fx\n"
         "energy only:           3/3     3/3\n"
-        "force only:            2/3     error: double backward unsupported   <-- problem"
+        "force only:            2/3     error: double backward unsupported"
     )
+
+
+def test_the_failing_cells_say_so_and_the_footer_counts_them():
+    text = render(two_variant_map())
+    assert "<-- problem" not in text  # the cells point at themselves, not a marker after the last column
+    assert "problem cells: 1 failed (error), of 4 runs" in text
 
 
 def test_render_explains_unreached_with_notes():

@@ -25,6 +25,7 @@ from .copies import model_copy
 from .errors import SpecError
 from .measure import isolated, run_error
 from .optim import fresh_optimizer
+from .progress import stage
 from .scenarios import Scenario
 from .spec import ProbeSpec
 from .state import reseed
@@ -303,7 +304,8 @@ def training_check(
     moved: dict[str, dict[str, float]] = {}  # |p - p0|_1 / |p0|_1 of the copy after the steps
     for variant in variants:
         ctx = VariantContext(copy_model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
-        built = build(variant, ctx)
+        with stage(f"{variant.name}: build"):
+            built = build(variant, ctx)
         curves[variant.name], verdicts[variant.name], errors[variant.name] = {}, {}, {}
         compiled_steps[variant.name], moved[variant.name] = {}, {}
         for s in alone:
@@ -318,33 +320,34 @@ def training_check(
                     raise RuntimeError(f"{built.error.stage}: {built.error.message}")
                 assert built.run is not None
                 counter = built.counter
-                for k in range(steps + 1):
-                    reseed(spec.seed)
-                    executions = counter.executions if counter is not None else 0
-                    total, values = check_total(
-                        built.run(batch, make_weights(terms, s.terms, params[0])), terms
-                    )
-                    if counter is not None:
-                        if counter.executions == executions:
-                            # A step that ran eager would train (and judge) eager, not this path.
-                            raise RuntimeError(
-                                f"step {k}: "
-                                + (getattr(counter, "fallback_message", None) or "no compiled code ran")
-                            )
-                        compiled_steps[variant.name][term] = k + 1
-                    curve.append(float(values.get(term, total).detach()))
-                    if len(curve) > steps:
-                        break
-                    target = isolated(total, values, s.terms) if mode == "terms" else total
-                    if not target.requires_grad:
-                        raise RuntimeError(f"the {term} loss has no gradient path")
-                    grads = torch.autograd.grad(target, params, allow_unused=True)
-                    for p, g in zip(params, grads, strict=True):
-                        p.grad = g
-                    del grads, total, values
-                    optimizer.step()
-                    for p in params:
-                        p.grad = None
+                with stage(f"{variant.name}: {term} alone, {steps} steps"):
+                    for k in range(steps + 1):
+                        reseed(spec.seed)
+                        executions = counter.executions if counter is not None else 0
+                        total, values = check_total(
+                            built.run(batch, make_weights(terms, s.terms, params[0])), terms
+                        )
+                        if counter is not None:
+                            if counter.executions == executions:
+                                # A step that ran eager would train (and judge) eager, not this path.
+                                raise RuntimeError(
+                                    f"step {k}: "
+                                    + (getattr(counter, "fallback_message", None) or "no compiled code ran")
+                                )
+                            compiled_steps[variant.name][term] = k + 1
+                        curve.append(float(values.get(term, total).detach()))
+                        if len(curve) > steps:
+                            break
+                        target = isolated(total, values, s.terms) if mode == "terms" else total
+                        if not target.requires_grad:
+                            raise RuntimeError(f"the {term} loss has no gradient path")
+                        grads = torch.autograd.grad(target, params, allow_unused=True)
+                        for p, g in zip(params, grads, strict=True):
+                            p.grad = g
+                        del grads, total, values
+                        optimizer.step()
+                        for p in params:
+                            p.grad = None
             except Exception as e:
                 for p in params:
                     p.grad = None

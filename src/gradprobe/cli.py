@@ -20,8 +20,9 @@ from typing import Any
 from . import __version__
 from .errors import GradProbeError, SpecError
 from .flowmap import FlowMap
+from .progress import reporting, stage
 from .report.controls import visible
-from .report.terminal import render
+from .report.styled import write_report
 from .spec import ProbeSpec
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
@@ -46,10 +47,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     _report_options(p)
     p.add_argument(
         "--check",
-        default="",
+        action="append",
+        default=[],
         metavar="CHECKS",
-        help="verification checks, comma-separated: physics (forces/virial vs finite differences), shapes "
-        "(traced variants on a batch of other shapes), training (a few optimizer steps per term on a copy)",
+        help="verification checks, comma-separated or repeated: physics (forces/virial vs finite differences), "
+        "shapes (traced variants on a batch of other shapes), training (a few optimizer steps per term on a "
+        "copy), balance (how the terms' gradients compare and conflict)",
+    )
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (by default: which variant and stage runs, once a probe takes over a second)",
     )
     p.add_argument(
         "--diagnose",
@@ -254,7 +263,7 @@ def _report(
     markdown_path: str | None = None,
     extra: str = "",
 ) -> int:
-    sys.stdout.write(render(fm, show_all=show_all))
+    write_report(fm, sys.stdout, show_all=show_all)
     if extra:
         sys.stdout.write("\n" + visible(extra))
     if json_path:
@@ -291,7 +300,7 @@ def _report_saved(args: argparse.Namespace) -> int:
     if args.html or args.markdown:
         _write_reports(fm, args.html, args.markdown)
     else:
-        sys.stdout.write(render(fm, show_all=args.all))
+        write_report(fm, sys.stdout, show_all=args.all)
     return fm.exit_code
 
 
@@ -397,8 +406,9 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
             error = SpecError("a trainer adapter cannot be probed with --nproc: run it without")
         _gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
         fm = probe_distributed(
-            spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks
-        )
+            spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks,
+            progress=not args.quiet,
+        )  # fmt: skip
         if rank == 0:
             code = _report(fm, args.json, args.all, args.html, args.markdown, extra=render_ranks(fm))
         else:
@@ -414,6 +424,48 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
         if created and dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_OK if os.environ.get(STATUS_FILE_ENV) else code
+
+
+def _checks(given: Sequence[str]) -> list[str]:
+    """``--check a,b --check c``: every name once, in the order given."""
+    names = [c.strip() for option in given for c in option.split(",") if c.strip()]
+    return list(dict.fromkeys(names))
+
+
+def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
+    """``demo`` and ``run``: build the spec (or adapter) and probe it."""
+    from .probe import probe
+
+    diagnose = args.diagnose
+    if args.command == "demo":
+        from .zoo import reference_spec
+        from .zoo.bugs import BUGS
+
+        with stage("the reference potential"):
+            spec = reference_spec(
+                device=args.device,
+                dtype=_dtype(args.dtype),
+                mode=args.mode,
+                with_virial=not args.no_virial,
+                seed=args.seed,
+                bug=args.bug,
+            )
+        if args.bug is not None:
+            diagnose = True
+            checks = list(dict.fromkeys([*checks, *BUGS[args.bug].checks]))
+    else:
+        with stage(f"loading {args.target}"):
+            spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
+    if _is_adapter(spec):
+        from .trainer import parse_configurations, probe_trainer
+
+        if args.reference:
+            raise SpecError("a trainer adapter's reference is its first configuration: drop --reference")
+        configurations, knobs = parse_configurations(spec, args.variants)
+        return probe_trainer(
+            spec, configurations=configurations, knobs=knobs, diagnose=diagnose, checks=checks
+        )
+    return probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -433,46 +485,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report_saved(args)
         if args.command == "diff":
             return _diff_saved(args)
-        from .probe import probe
-
-        diagnose = args.diagnose
-        if args.command == "demo":
-            from .zoo import reference_spec
+        checks = _checks(args.check)
+        if args.command == "run" and _is_rank():
+            return _distributed_run(args, checks, args.diagnose)
+        if args.command == "demo" and args.bug == "list":
             from .zoo.bugs import BUGS
 
-            if args.bug == "list":
-                width = max(map(len, BUGS))
-                for bug in BUGS.values():
-                    sys.stdout.write(f"{bug.id.ljust(width)}  {bug.description} (variants: {bug.variants})\n")
-                return EXIT_OK
-            spec = reference_spec(
-                device=args.device,
-                dtype=_dtype(args.dtype),
-                mode=args.mode,
-                with_virial=not args.no_virial,
-                seed=args.seed,
-                bug=args.bug,
-            )
-            diagnose = diagnose or args.bug is not None
-            if args.bug is not None:
-                args.check = ",".join([args.check, *BUGS[args.bug].checks])
-        else:
-            if _is_rank():
-                checks = [c.strip() for c in args.check.split(",") if c.strip()]
-                return _distributed_run(args, checks, diagnose)
-            spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
-        checks = [c.strip() for c in args.check.split(",") if c.strip()]
-        if _is_adapter(spec):
-            from .trainer import parse_configurations, probe_trainer
-
-            if args.reference:
-                raise SpecError("a trainer adapter's reference is its first configuration: drop --reference")
-            configurations, knobs = parse_configurations(spec, args.variants)
-            fm = probe_trainer(
-                spec, configurations=configurations, knobs=knobs, diagnose=diagnose, checks=checks
-            )
-            return _report(fm, args.json, args.all, args.html, args.markdown)
-        fm = probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
+            width = max(map(len, BUGS))
+            for bug in BUGS.values():
+                sys.stdout.write(f"{bug.id.ljust(width)}  {bug.description} (variants: {bug.variants})\n")
+            return EXIT_OK
+        # One reporter for the whole command: loading a trainer's model can take as long as probing it.
+        with reporting(not args.quiet):
+            fm = _probe_command(args, checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:
         sys.stderr.write(visible(f"gradprobe: error: {e}\n"))

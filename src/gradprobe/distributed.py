@@ -263,6 +263,7 @@ def probe_distributed(
     checks: Sequence[str] = (),
     group: Any = None,
     divergence_rtol: float = 1e-9,
+    progress: bool = True,
 ) -> FlowMap:
     """Probe every rank's batch and merge: which ranks reach each parameter, and the reduced gradient.
 
@@ -274,6 +275,7 @@ def probe_distributed(
     are those of ``gradprobe.probe`` and apply to each rank's local probe; the merged map keeps rank
     0's variant facts, checks, bisections and breaks. ``divergence_rtol``: relative difference of a
     parameter's checksum between ranks above which replicated values count as out of sync.
+    ``progress``: rank 0 shows its local probe's progress on stderr (the other ranks stay quiet).
 
     Returns the merged flow map, the same on every rank; ``checks["distributed"]`` holds the per-rank
     detail (see docs/distributed.md).
@@ -301,7 +303,14 @@ def probe_distributed(
     source = None
     with _fsdp_unsharded(inner) if kind == "fsdp2" else contextlib.nullcontext():
         local, error = _attempt(
-            lambda: probe(local_spec, variants=parsed, reference=reference, diagnose=diagnose, checks=checks)
+            lambda: probe(
+                local_spec,
+                variants=parsed,
+                reference=reference,
+                diagnose=diagnose,
+                checks=checks,
+                progress=progress and dist.get_rank(group) == 0,
+            )
         )
         gathered = _gather_or_raise(None if local is None else local.to_dict(), error, group)
         maps = [FlowMap.from_dict(d) for d in gathered]

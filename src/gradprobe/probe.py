@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +22,7 @@ from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
 from .measure import Measurement, per_scenario, per_term
+from .progress import reporting, stage
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, resolve_model
 from .state import isolated_settings, preserved, reseed
@@ -37,6 +39,7 @@ def probe(
     reference: str | None = None,
     diagnose: bool = False,
     checks: Sequence[str] = (),
+    progress: bool = True,
     **spec_fields: Any,
 ) -> FlowMap:
     """Measure which parameters each loss term reaches, alone and all together, in each variant.
@@ -50,6 +53,8 @@ def probe(
     ``checks`` adds verification: ``"physics"`` (forces and virial against finite differences of
     ``spec.energy_fn``), ``"shapes"`` (traced variants on ``spec.other_shapes_batch``), ``"training"``
     (a few optimizer steps per term on a copy); value consistency between variants is always checked.
+    ``progress``: show on stderr which variant and stage is running once the probe has run a second (a
+    live line on a terminal, plain lines otherwise); ``False`` keeps it silent.
     Returns the flow map; the model's parameters, ``.grad``, ``requires_grad`` flags, train/eval
     modes, buffers and RNG state are as they were.
 
@@ -73,9 +78,10 @@ def probe(
         spec = model
     else:
         spec = ProbeSpec(model=model, step=step, batch=batch, **spec_fields)
-    return run_probe(
-        spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose, tuple(checks)
-    )
+    with reporting(progress):
+        return run_probe(
+            spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose, tuple(checks)
+        )
 
 
 @dataclass
@@ -166,10 +172,11 @@ def _run_probe(
             breaks_before = _graph_breaks()
             built: Built | None = None
             watch = watches[variant.name] = Watch()
-            with watch, isolated_settings(import_configs=not _is_plain_eager(variant)):
+            observe = _observed(watch, scenarios)
+            with stage(variant.name), watch, isolated_settings(import_configs=not _is_plain_eager(variant)):
                 if _is_plain_eager(variant) and mode == "terms":
                     reseed(spec.seed)
-                    with watch.window("the eager step"):
+                    with watch.window("the eager step"), stage("one forward, a gradient per term"):
                         terms, scenarios, results = per_term(
                             lambda b=batch: spec.step(model, b),
                             params,
@@ -183,13 +190,13 @@ def _run_probe(
                     results = per_scenario(
                         lambda w, b=batch: spec.step(model, b, w),
                         params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
-                        reference=None if is_ref else ref_results, observe=watch.window,
+                        reference=None if is_ref else ref_results, observe=observe,
                     )  # fmt: skip
                 else:
                     ctx = VariantContext(
                         model, spec.step, mode, terms, batch, make_weights(terms, terms, first)
                     )
-                    with watch.window("build"):
+                    with watch.window("build"), stage("build"):
                         built = build(variant, ctx)
                     builds[variant.name] = built
                     if built.error is not None:
@@ -202,7 +209,7 @@ def _run_probe(
                             reference=None if is_ref else ref_results,
                             counter=counter,
                             consistency_rtol=consistency_tolerance(dtype)[0],
-                            observe=watch.window,
+                            observe=observe,
                             isolate=mode == "terms",
                         )  # fmt: skip
             if is_ref:
@@ -221,9 +228,10 @@ def _run_probe(
             )
             measured.append(_Measured(variant, info, results))
         if spec.second_batch is not None:
-            second = _compare_on(
-                spec.second_batch, spec, model, params, mode, terms, scenarios, measured, builds, ref_name
-            )
+            with stage("the second batch"):
+                second = _compare_on(
+                    spec.second_batch, spec, model, params, mode, terms, scenarios, measured, builds, ref_name
+                )
             for m in measured:
                 if m.info.name in second:
                     m.info = replace(m.info, second_batch=second[m.info.name])
@@ -235,38 +243,36 @@ def _run_probe(
         if "shapes" in checks:
             if spec.other_shapes_batch is None:
                 raise SpecError("the shape sweep needs spec.other_shapes_batch (a batch of other sizes)")
-            results_of_checks["shape_sweep"] = _compare_on(
-                spec.other_shapes_batch,
-                spec,
-                model,
-                params,
-                mode,
-                terms,
-                scenarios,
-                measured,
-                builds,
-                ref_name,
-            )
+            with stage("check: shapes (the traced variants on other shapes)"):
+                results_of_checks["shape_sweep"] = _compare_on(
+                    spec.other_shapes_batch, spec, model, params, mode, terms, scenarios, measured, builds,
+                    ref_name,
+                )  # fmt: skip
         if "physics" in checks:
-            results_of_checks["physics"] = _checked("physics", lambda: physics_check(spec, model, spec.batch))
-            paths = _physics_of_paths(spec, model, measured, builds, ref_name)
+            with stage("check: physics (finite differences)"):
+                results_of_checks["physics"] = _checked(
+                    "physics", lambda: physics_check(spec, model, spec.batch)
+                )
+                paths = _physics_of_paths(spec, model, measured, builds, ref_name)
             if paths:
                 results_of_checks["physics_paths"] = paths
         if "balance" in checks:
-            results_of_checks["balance"] = _checked(
-                "balance",
-                lambda: balance_report(
-                    spec, model, trainable_names, scenarios, ref_results,
-                    _terms_caller(spec, model, mode, terms, batch),
-                ),
-            )  # fmt: skip
+            with stage("check: balance"):
+                results_of_checks["balance"] = _checked(
+                    "balance",
+                    lambda: balance_report(
+                        spec, model, trainable_names, scenarios, ref_results,
+                        _terms_caller(spec, model, mode, terms, batch),
+                    ),
+                )  # fmt: skip
         if "training" in checks:
-            results_of_checks["training"] = _checked(
-                "training",
-                lambda: training_check(
-                    spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
-                ),
-            )
+            with stage("check: training (optimizer steps on a copy)"):
+                results_of_checks["training"] = _checked(
+                    "training",
+                    lambda: training_check(
+                        spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
+                    ),
+                )
         evidence["dynamo"] = {name: w.to_dict() for name, w in watches.items()}
         advice = {name: dict(b.advice) for name, b in builds.items() if b.advice}
         if advice:  # a path's own words for a fix (a trainer adapter's), whatever the cause needs
@@ -274,16 +280,20 @@ def _run_probe(
         if diagnose_:
             from .evidence import collect
 
-            found = collect.lineages(spec, model, trainable, mode, terms, batch, measured, builds)
+            with stage("diagnose: lineage (one recorded step per path)"):
+                found = collect.lineages(spec, model, trainable, mode, terms, batch, measured, builds)
             evidence["lineage"] = {name: lin.to_dict() for name, lin in found.items()}
-            evidence["confirmations"] = collect.confirmations(
-                spec, model, trainable, mode, terms, scenarios, batch, measured, builds, found
-            )
-            bisections = collect.bisect_failing(
-                spec, model, params, mode, terms, scenarios, batch, measured, ref_results, ref_name,
-                dtype, model_training,
-            )  # fmt: skip
-            breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
+            with stage("diagnose: finite-difference confirmations"):
+                evidence["confirmations"] = collect.confirmations(
+                    spec, model, trainable, mode, terms, scenarios, batch, measured, builds, found
+                )
+            with stage("diagnose: bisect"):
+                bisections = collect.bisect_failing(
+                    spec, model, params, mode, terms, scenarios, batch, measured, ref_results, ref_name,
+                    dtype, model_training,
+                )  # fmt: skip
+            with stage("diagnose: locate non-finite values"):
+                breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
         ref_results.clear()  # drop the kept gradients
         for m in measured:
             for r in m.results:
@@ -294,6 +304,18 @@ def _run_probe(
         fm, bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence
     )
     return replace(fm, findings=tuple(diagnose(fm)))
+
+
+def _observed(watch: Watch, scenarios: Sequence[Scenario]) -> Any:
+    """Around each scenario's run: dynamo's event window and the progress stage (scenario k of n)."""
+    index = {s.name: i for i, s in enumerate(scenarios, 1)}
+
+    @contextlib.contextmanager
+    def observe(name: str) -> Iterator[None]:
+        with watch.window(name), stage(f"scenario {index.get(name, '?')}/{len(scenarios)} {name}"):
+            yield
+
+    return observe
 
 
 def _physics_of_paths(

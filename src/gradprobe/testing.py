@@ -81,7 +81,7 @@ def assert_grad_flow(
     if isinstance(target, ProbeSpec):
         from .probe import probe
 
-        target = probe(target, variants=variants, checks=checks)
+        target = probe(target, variants=variants, checks=checks, progress=False)  # a test stays quiet
     problems = grad_flow_problems(target, reaches=reaches, not_reaches=not_reaches, allow=allow)
     if problems:
         shown = problems[:20] + ([f"… and {len(problems) - 20} more"] if len(problems) > 20 else [])

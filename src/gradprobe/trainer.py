@@ -198,17 +198,23 @@ def probe_trainer(
     knobs: Mapping[str, Mapping[str, Any]] | None = None,
     diagnose: bool = False,
     checks: Sequence[str] = (),
+    progress: bool = True,
     **spec_fields: Any,
 ) -> FlowMap:
     """Probe the trainer's configurations against its reference (first) configuration.
 
+    ``progress``: as in ``probe()`` (which configuration and stage runs, on stderr).
+
     >>> # fm = probe_trainer(DeepmdAdapter.from_config(config), diagnose=True); print(render(fm))
     """
     from .probe import run_probe
+    from .progress import reporting, stage
 
-    variants = trainer_variants(adapter, configurations, knobs)
-    spec = trainer_spec(adapter, **spec_fields)
-    return run_probe(spec, variants, variants[0].name, diagnose, tuple(checks))
+    with reporting(progress):
+        with stage("the trainer's model and batch"):
+            variants = trainer_variants(adapter, configurations, knobs)
+            spec = trainer_spec(adapter, **spec_fields)
+        return run_probe(spec, variants, variants[0].name, diagnose, tuple(checks))
 
 
 __all__ = [

@@ -105,6 +105,7 @@ def probe_lightning_module(
     variants: str | Sequence[str] = "eager",
     diagnose: bool = False,
     checks: Sequence[str] = (),
+    progress: bool = True,
     **spec_fields: Any,
 ) -> FlowMap:
     """Probe ``module.training_step(batch, batch_idx)`` term by term (see the module docstring)."""
@@ -125,6 +126,7 @@ def probe_lightning_module(
             variants=variants,
             diagnose=diagnose,
             checks=checks,
+            progress=progress,
             name=spec_fields.pop("name", type(module).__name__),
             **spec_fields,
         )
@@ -141,6 +143,7 @@ class GradProbeCallback(Callback):
         report_dir: where the reports go (default: ``trainer.log_dir``, else ``default_root_dir``).
         fail_on_error: raise ``GradProbeFailedError`` when the probe finds an error-severity problem.
         print_report: print the terminal report (rank 0).
+        progress: show the probe's progress on stderr (off by default: Lightning's own bar is there).
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class GradProbeCallback(Callback):
         report_dir: str | os.PathLike[str] | None = None,
         fail_on_error: bool = False,
         print_report: bool = True,
+        progress: bool = False,
     ) -> None:
         super().__init__()
         self.at_step = at_step
@@ -162,6 +166,7 @@ class GradProbeCallback(Callback):
         self.report_dir = report_dir
         self.fail_on_error = fail_on_error
         self.print_report = print_report
+        self.progress = progress
         self.flow_map: FlowMap | None = None
         self.report_paths: dict[str, Path] = {}
 
@@ -169,7 +174,13 @@ class GradProbeCallback(Callback):
         if self.flow_map is not None or trainer.global_step != self.at_step:
             return
         fm = probe_lightning_module(
-            pl_module, batch, batch_idx, terms=self.terms, variants=self.variants, diagnose=self.diagnose
+            pl_module,
+            batch,
+            batch_idx,
+            terms=self.terms,
+            variants=self.variants,
+            diagnose=self.diagnose,
+            progress=self.progress and getattr(trainer, "is_global_zero", True),
         )
         self.flow_map = fm
         if getattr(trainer, "is_global_zero", True):

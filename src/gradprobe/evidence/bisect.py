@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..progress import stage
 from ..variants import BACKENDS, VariantSpec, canonical_name
 
 # (ok, one-line result) for a variant measured on the failing scenarios.
@@ -74,7 +75,8 @@ def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_train
     b = Bisection(failing.name, scenarios)
 
     def trial(knob: str, change: str, v: VariantSpec) -> bool:
-        ok, result = check(v)
+        with stage(f"{failing.name}: trial {len(b.trials) + 1} ({change})"):
+            ok, result = check(v)
         b.trials.append({"knob": knob, "change": change, "variant": v.name, "ok": ok, "result": result})
         return ok
 

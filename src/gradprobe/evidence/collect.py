@@ -19,6 +19,7 @@ import torch
 from ..build import Built, VariantContext, build
 from ..compare import noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
+from ..progress import stage
 from ..scenarios import Scenario
 from ..spec import ProbeSpec
 from ..state import isolated_settings, reseed
@@ -99,7 +100,8 @@ def lineages(
         if call is None:
             continue
         reseed(spec.seed)
-        lin = record(model, named, call, _label(x.variant), _terms_of(mode))
+        with stage(x.info.name):
+            lin = record(model, named, call, _label(x.variant), _terms_of(mode))
         if list(lin.terms) == [TOTAL] and len(terms) > 1:
             # The path returns only its total: one recording per term, that term's weight on and the
             # others 0 (a product with an exact zero carries no dependence).
@@ -107,7 +109,8 @@ def lineages(
             for term in terms:
                 call = _path_call(spec, model, x.variant, built, mode, terms, batch, like, on=[term])
                 reseed(spec.seed)
-                parts[term] = record(model, named, call, _label(x.variant), _terms_of(mode))  # type: ignore[arg-type]
+                with stage(f"{x.info.name}: {term} only"):
+                    parts[term] = record(model, named, call, _label(x.variant), _terms_of(mode))  # type: ignore[arg-type]
             lin = merged(
                 parts, _label(x.variant) + "; one recording per term (the path returns its total only)"
             )

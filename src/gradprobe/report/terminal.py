@@ -12,7 +12,6 @@ from ..flowmap import Finding, FlowMap, RunError
 from .controls import visible
 
 LABEL_WIDTH = 23
-PROBLEM = "<-- problem"
 
 
 def error_text(error: RunError) -> str:
@@ -36,20 +35,55 @@ def _cell_text(fm: FlowMap, variant: str, scenario: str) -> tuple[str, bool]:
     return f"{reached}/{total}" + (" !" if differs else ""), differs
 
 
+def table_cells(fm: FlowMap, variants: Sequence[str]) -> list[list[tuple[str, bool]]]:
+    """Per variant (column), per scenario (row): (cell text, the cell is a problem: the run failed, or
+    it differs from the reference)."""
+    return [[_cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
+
+
 def summary_table(fm: FlowMap, variants: Sequence[str] | None = None) -> str:
-    """One row per scenario, one column per variant: reached/trainable (``!`` where the cells differ
-    from the reference in reach or value), or the run's error; ``<-- problem`` ends rows with a difference."""
+    """One row per scenario, one column per variant: reached/trainable (``!`` where the cell differs
+    from the reference in reach or value), or the run's error: the failing cells say so themselves."""
     variants = list(variants or fm.variant_names)
     label_width = max(LABEL_WIDTH, *(len(s) + 2 for s in fm.scenario_names))
-    columns = [[_cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
+    columns = table_cells(fm, variants)
     widths = [max(len(v), *(len(c[0]) for c in col)) + 3 for v, col in zip(variants, columns, strict=True)]
     lines = [" " * label_width + "".join(v.ljust(w) for v, w in zip(variants, widths, strict=True)).rstrip()]
     for i, s in enumerate(fm.scenario_names):
         row = f"{s}:".ljust(label_width)
         row += "".join(col[i][0].ljust(w) for col, w in zip(columns, widths, strict=True))
-        problem = len(variants) > 1 and any(col[i][1] for col in columns)
-        lines.append((row.rstrip() + "   " + PROBLEM) if problem else row.rstrip())
+        lines.append(row.rstrip())
     return "\n".join(lines)
+
+
+def table_footer(fm: FlowMap) -> str:
+    """How many cells of the table are problems, and of which kind ('' when none)."""
+    variants = list(fm.variant_names)
+    failed = differ = 0
+    for v, col in zip(variants, table_cells(fm, variants), strict=True):
+        for s, (_, bad) in zip(fm.scenario_names, col, strict=True):
+            if bad:
+                failed += fm.run(v, s).error is not None
+                differ += fm.run(v, s).error is None
+    if not failed and not differ:
+        return ""
+    runs = len(variants) * len(fm.scenario_names)
+    parts = [f"{differ} differ from {fm.reference} (!)"] if differ else []
+    parts += [f"{failed} failed (error)"] if failed else []
+    return f"problem cells: {' and '.join(parts)}, of {runs} runs"
+
+
+def table_title(fm: FlowMap) -> str:
+    """What the counts are, what '!' means and at which tolerance (the one tolerance story)."""
+    title = "parameters reached per scenario (non-zero gradient / trainable)"
+    if len(fm.variants) > 1:
+        rtol = (
+            f" by more than {fm.rtol:g} (relative L1 error of a parameter's gradient)"
+            if fm.rtol is not None
+            else ""
+        )
+        title += f"; '!' = differs from {fm.reference} in reach, or in value{rtol}"
+    return f"{title}, {fm.device} {fm.dtype}:"
 
 
 def interpretation_lines(fm: FlowMap) -> list[str]:
@@ -273,8 +307,12 @@ def check_lines(fm: FlowMap) -> list[str]:
                 failed = f"{r['failed_cells']}/{r['checked_cells']} cells" if r["checked_cells"] else "no run"
                 terms = f", {len(r['terms'])} term value(s)" if r["terms"] else ""
                 parts.append(f"{v}: FAIL {failed}{terms}{detail}")
+        # The table's '!' reads a relative error per parameter; this check is the strict one, element by
+        # element: say so, so that the two tolerances do not read as a contradiction.
+        table = f"; the table's '!' at {fm.rtol:g} per parameter" if fm.rtol is not None else ""
         lines.append(
-            f"consistency vs {fm.reference} (rtol {c['rtol']:g}, atol {c['atol']:g}): " + "; ".join(parts)
+            f"consistency vs {fm.reference} (every element: |a - b| <= {c['atol']:g} + {c['rtol']:g}·|b|"
+            f"{table}): " + "; ".join(parts)
         )
     for name in ("physics", "balance", "training"):  # a check that raised: its error, nothing else
         result = checks.get(name)
@@ -373,18 +411,25 @@ def verdict(fm: FlowMap) -> str:
 def render(fm: FlowMap, *, show_all: bool = False) -> str:
     """The whole terminal report: verdict and serious findings first, then the table, then details."""
     serious = [f for f in fm.findings if f.severity != "info"]
-    info = [f for f in fm.findings if f.severity == "info"]
     out = [f"gradprobe: {verdict(fm)}", ""]
     for f in serious:
         out.extend(finding_lines(f))
     if serious:
         out.append("")
-    title = "parameters reached per scenario (non-zero gradient / trainable)"
-    if len(fm.variants) > 1:
-        rtol = f" (rtol {fm.rtol:g})" if fm.rtol is not None else ""
-        title += f"; '!' = differs from {fm.reference} in reach or value{rtol}"
-    out.append(f"{title}, {fm.device} {fm.dtype}:")
+    out.append(table_title(fm))
     out.append(summary_table(fm))
+    footer = table_footer(fm)
+    if footer:
+        out.append(footer)
+    out.extend(details_lines(fm, show_all=show_all))
+    return visible("\n".join(out) + "\n")
+
+
+def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
+    """Everything after the table: what the differences mean, what the reference does not reach, the
+    variants' build facts, the checks, the per-parameter diffs, warnings and info findings."""
+    info = [f for f in fm.findings if f.severity == "info"]
+    out: list[str] = []
     interp = interpretation_lines(fm)
     if interp:
         out.append("")
@@ -419,4 +464,4 @@ def render(fm: FlowMap, *, show_all: bool = False) -> str:
         out.append("")
         for f in info:
             out.extend(finding_lines(f))
-    return visible("\n".join(out) + "\n")
+    return out
