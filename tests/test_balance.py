@@ -89,3 +89,52 @@ def test_demo_shows_shares_and_suggested_prefactor(capsys):
         and "multiply the force prefactor by about" in out
     )
     assert "balance: share of each group's gradient norm, by term" in out
+
+
+def test_two_derivatives_of_one_energy_conflict_by_construction(zoo_map):
+    # Force and virial are both computed from dE/dx inside the step: their gradients pull apart on a
+    # healthy potential (cosine about -0.99). That alone is no evidence of harm: info, not a warning.
+    fm = zoo_map(None, checks=BALANCE, diagnose=False)
+    b = fm.checks["balance"]
+    assert b["derivatives"] == ["force", "virial"]
+    (f,) = finding(fm, "terms-conflict")
+    assert f.location["terms"] == ["force", "virial"] and f.evidence["conflict"]["cosine"] < -0.5
+    assert f.severity == "info" and "derivatives of one energy" in f.message
+    assert causes(fm, "warning") == [] and causes(fm, "error") == []
+
+
+def test_a_derivative_conflict_warns_when_training_shows_harm(zoo_map):
+    from gradprobe.causes import balance_causes
+
+    fm = zoo_map(None, checks=("balance", "training"), diagnose=False)
+    (f,) = [x for x in balance_causes.detect(fm) if x.cause == "terms-conflict"]
+    assert f.severity == "info" and "both decrease in the training check" in f.message
+    # The same measured conflict, with a training check in which the virial did not decrease:
+    fm.checks["training"]["verdicts"]["eager"]["virial"] = "flat"
+    (f,) = [x for x in balance_causes.detect(fm) if x.cause == "terms-conflict"]
+    assert f.severity == "warning" and "virial flat in eager" in f.message
+
+
+def test_derivative_terms_seen_on_a_model_written_elsewhere():
+    import torch
+
+    from gradprobe.balance import derivative_terms
+
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.SiLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(6, 2, requires_grad=True)
+
+    def terms():
+        y = net(x).sum()
+        (dy,) = torch.autograd.grad(y, x, create_graph=True)
+        slope = dy.norm(dim=1).mean()  # from a gradient: a derivative term
+        return {"value": (y - 1.0) ** 2, "slope": (slope - 2.0) ** 2, "reg": net[0].weight.pow(2).sum()}
+
+    assert derivative_terms(terms, ["value", "slope", "reg"]) == {"slope"}
+
+
+def test_healthy_demo_is_clean_with_every_check_on(capsys):
+    assert main(["demo", "--check", "physics,shapes,training,balance", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gradprobe: OK: no problem found"), out[:300]
+    assert "WARNING" not in out and "ERROR" not in out and "FAIL" not in out

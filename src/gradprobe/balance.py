@@ -4,7 +4,10 @@ From the reference variant's per-term gradients (taken at the prefactors the ste
 
 * balance: per term and parameter group, the L2 norm of the term's gradient and its share of the
   groups' total — a term drowned by another (term-dominated) and the prefactor change that balances it;
-* conflict: cosine similarity between terms' gradients over shared parameters, per group and overall;
+* conflict: cosine similarity between terms' gradients over shared parameters, per group and overall,
+  and whether each term is a derivative (its value computed from a gradient taken inside the step with
+  create_graph, as forces and virials are from the energy): two derivatives of one energy conflict by
+  construction, which is no evidence of harm;
 * optimizer audit: parameters a term reaches that are in no optimizer group or in a group with lr 0,
   frozen parameters a term would reach, and the effect of gradient clipping on each term;
 * effective update: one optimizer step per term alone vs all terms together (on a copy): with Adam the
@@ -20,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .copies import model_copy
 from .errors import GradProbeError
@@ -87,6 +92,12 @@ def balance_report(
     result["frozen"] = (
         _part("frozen parameters", lambda: _frozen_needed(model, terms, call_terms), errors) or {}
     )
+    if result["conflicts"] and call_terms is not None:
+        derived = _part("derivatives", lambda: derivative_terms(call_terms, terms), errors)
+        if derived is not None:
+            result["derivatives"] = sorted(derived)
+            for c in result["conflicts"]:
+                c["derived"] = [t in derived for t in c["terms"]]
     if spec.clip_grad_norm is not None:
         result["clipping"] = _part(
             "clipping", lambda: _clipping(spec.clip_grad_norm, terms, grads, sq), errors
@@ -149,9 +160,11 @@ def _dominated(terms: list[str], groups: list[str], norms: dict, shares: dict) -
         # Multiplying t's prefactor by k gives it a share k n_t / (k n_t + rest); k for a 10 % share:
         rest = sum(others.values())
         factor = (0.1 / 0.9) * rest / norms[t][best]
-        out.append(
-            {"term": t, "by": dominant, "group": best, "share": shares[t][best], "prefactor_factor": factor}
-        )
+        out.append({
+            "term": t, "by": dominant, "group": best, "share": shares[t][best], "prefactor_factor": factor,
+            # every other term's share in that group, largest first: what the drowned term is up against
+            "others": {u: shares[u][best] for u in sorted(others, key=others.get, reverse=True)},  # type: ignore[arg-type]
+        })  # fmt: skip
     return out
 
 
@@ -179,6 +192,39 @@ def _conflicts(
                 overall = dot_all / math.sqrt(na_all * nb_all) if na_all and nb_all else 0.0
                 out.append({"terms": [a, b], "cosine": overall, "groups": per_group})
     return out
+
+
+class _Derivation(TorchDispatchMode):
+    """Marks every tensor computed inside a backward pass (autograd's graph task is running: the step's
+    own ``autograd.grad(..., create_graph=True)``) and every tensor computed from one. Needs nothing from
+    the step: the engine says when it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inside = torch._C._current_graph_task_id() != -1
+        if inside or any(
+            isinstance(a, torch.Tensor) and a in self.marked for a in _flat_tensors((args, kwargs))
+        ):
+            for t in _flat_tensors(out):
+                self.marked[t] = True
+        return out
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def derivative_terms(call_terms: Callable[[], Mapping[str, Any]], terms: Sequence[str]) -> set[str]:
+    """The terms whose value is computed from a gradient taken inside the step (one recorded call)."""
+    mode = _Derivation()
+    with mode:
+        values = call_terms()
+    return {t for t in terms if isinstance(values.get(t), torch.Tensor) and values[t] in mode.marked}
 
 
 def _optimizer_audit(

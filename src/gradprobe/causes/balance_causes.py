@@ -1,7 +1,10 @@
 """Why a reached term still stays flat (evidence: the balance check, ``checks=["balance"]``).
 
 term-dominated (warning): a term's share of every group it reaches is below 1 %.
-terms-conflict (warning): two terms' gradients point in opposite directions (cosine < -0.5).
+terms-conflict (warning): two terms' gradients point in opposite directions (cosine < -0.5), with
+  evidence that it hurts: one of them does not decrease in the training check, or at least one is an
+  independent data term. Two derivatives of one energy (force and virial) conflict by construction:
+  without a training check that shows harm, that is info.
 not-in-optimizer (error): parameters a term reaches are in no optimizer group (a parameter filter).
 zero-learning-rate (error): parameters a term reaches are in a group with lr 0.
 frozen-but-needed (warning): a term would reach parameters that are frozen.
@@ -12,6 +15,21 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import names
+
+
+def _percent(share: float) -> str:
+    """Two significant digits, so a share of 1e-6 reads 0.00012%, not 0.00%."""
+    return f"{share:.1%}" if share >= 0.001 else f"{share * 100:.2g}%"
+
+
+def _against(d: dict) -> str:
+    """'virial has 95.9% and energy 4.1%': the terms that drown it, by share (older maps: the largest)."""
+    others = d.get("others") or {d["by"]: None}
+    parts = [
+        f"{u} {'has ' if i == 0 else ''}{'' if v is None else _percent(v)}".strip()
+        for i, (u, v) in enumerate(others.items())
+    ]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def detect(fm: FlowMap) -> list[Finding]:
@@ -39,30 +57,58 @@ def detect(fm: FlowMap) -> list[Finding]:
         )
         out.append(Finding(
             "term-dominated", "info" if by_design else "warning",
-            f"term {d['term']} is drowned by {d['by']}{when}: at most {d['share']:.2%} of the gradient in every group "
-            f"it reaches (best: {d['group']}), so it barely moves the parameters{tail}",
+            f"term {d['term']} is drowned{when}: at most {_percent(d['share'])} of the gradient in every group it "
+            f"reaches; in {d['group']}, its best, {_against(d)}, so it barely moves the parameters{tail}",
             evidence={"dominated": d, "shares": {t: b["shares"][t] for t in (d["term"], d["by"])}},
             location={"term": d["term"], "group": d["group"]},
             fix=(
                 "nothing to do if the schedule is intended: the term catches up as its prefactor grows"
                 if by_design
                 else f"multiply the {d['term']} prefactor by about {d['prefactor_factor']:.3g} (for a 10% share in "
-                f"{d['group']}), or lower {d['by']}'s; with a prefactor schedule, check the values at the current step"
+                f"{d['group']}), or lower the others'; with a prefactor schedule, check the values at the current step"
             ),
         ))  # fmt: skip
+    training = fm.checks.get("training") or {}
+    verdicts = training.get("verdicts") or {}
     for c in b["conflicts"]:
         if c["cosine"] >= -0.5:
             continue
         bad = [g for g, cos in c["groups"].items() if cos < -0.5]
         a, z = c["terms"]
+        stuck = sorted(
+            f"{t} {v} in {path}" for path, vs in verdicts.items() for t, v in vs.items()
+            if t in (a, z) and v != "decreases"
+        )  # fmt: skip
+        derived = c.get("derived")
+        by_construction = derived is not None and all(derived)
+        trained = bool(verdicts) and not training.get("error")
+        if stuck:
+            why, severity = f"; it hurts: the training check has {', '.join(stuck)}", "warning"
+        elif by_construction:
+            why = (
+                "; both are derivatives of one energy (computed from a gradient taken inside the step), "
+                "which makes them pull apart by construction"
+                + ("; both decrease in the training check" if trained else "")
+            )
+            severity = "info"
+        else:
+            indep = [t for t, d in zip(c["terms"], derived or [False, False], strict=True) if not d]
+            why = f"; {' and '.join(indep)} {'is an independent data term' if len(indep) == 1 else 'are independent data terms'}"
+            severity = "warning"
         out.append(Finding(
-            "terms-conflict", "warning",
+            "terms-conflict", severity,
             f"terms {a} and {z} pull the shared parameters in opposite directions (cosine {c['cosine']:.2f}; "
-            f"in {', '.join(bad)})",
-            evidence={"conflict": c},
+            f"in {', '.join(bad)}){why}",
+            evidence={"conflict": c, "training": {"not_decreasing": stuck} if trained else None},
             location={"terms": c["terms"], "groups": bad},
-            fix="check that the two terms' labels are consistent (units, reference energies, sign conventions); "
-            "if the conflict is real, weigh or schedule them (or use a multi-task gradient method)",
+            fix=(
+                "nothing to do while both train: two derivatives of one energy share its gradient; "
+                "run --check training to see them decrease"
+                if severity == "info"
+                else "check that the two terms' labels are consistent (units, reference energies, sign "
+                "conventions); if the conflict is real, weigh or schedule them (or use a multi-task "
+                "gradient method)"
+            ),
         ))  # fmt: skip
     opt = b.get("optimizer") or {}
     for key, cause, what in (

@@ -86,7 +86,7 @@ BUGS: dict[str, ZooBug] = {
         ),
         ZooBug(
             "term-dominated",
-            "the force prefactor is 1e-6 of the energy's",
+            "the force prefactor is 1e-6 (energy and virial keep theirs): the other two terms drown it",
             prefactors={"energy": 1.0, "force": 1e-6},
             checks=("balance",),
         ),
