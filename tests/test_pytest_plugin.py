@@ -1,5 +1,10 @@
 """The pytest plugin as a user meets it: the snapshot fixture, --gradprobe-update, readable failures."""
 
+# pytester's in-process runs drop the modules first imported inside them; torch._dynamo registers C++
+# operator libraries on import, which cannot run twice. Imported here, it stays loaded (a file run alone
+# failed with "Only a single TORCH_LIBRARY can be used to register the namespace _inductor_test").
+import torch._dynamo  # noqa: F401
+
 TEST_FILE = """
 import os
 import torch
@@ -81,3 +86,56 @@ def test_plugin_module_does_not_import_torch():
     code = "import sys, _gradprobe_pytest; print('torch' in sys.modules, 'gradprobe' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+FACTORY_FILE = """
+import os
+import torch
+import gradprobe
+
+
+def make():
+    # No seed here: gradprobe seeds the factory with spec.seed (torch's default seed differs per process)
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def step(model, x):
+    y = model(x)
+    return {"a": y[:, 0].pow(2).mean(), "b": y[:, 1].abs().mean()}
+
+
+def test_factory(gradprobe_snapshot):
+    model = make() if os.environ.get("GP_OUTSIDE") else make
+    gradprobe_snapshot.match(gradprobe.probe(model, step, torch.ones(4, 3), seed=int(os.environ.get("GP_SEED", "0"))))
+"""
+
+
+def test_a_factory_snapshot_matches_in_every_process(pytester, monkeypatch):
+    pytester.makepyfile(test_factory=FACTORY_FILE)
+    # Each run is its own process: torch starts from a different default seed in each.
+    pytester.runpytest_subprocess("--gradprobe-update").assert_outcomes(passed=1)
+    for _ in range(2):
+        pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    # Another seed builds other weights: the flow is the same, only norms move, and the failure says so.
+    monkeypatch.setenv("GP_SEED", "7")
+    moved = pytester.runpytest_subprocess()
+    moved.assert_outcomes(failed=1)
+    moved.stdout.fnmatch_lines(
+        [
+            "*gradient norms differ from the snapshot test_factory.flow.json*",
+            "*The flow is the same (every status, verdict, run error and error finding matches); only norms*",
+        ]
+    )
+    assert "gradient flow differs" not in moved.stdout.str()
+
+
+def test_the_factory_seed_leaves_the_callers_rng_alone():
+    import torch
+
+    import gradprobe
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    gradprobe.probe(lambda: torch.nn.Linear(2, 1), lambda m, b: {"y": m(b).sum()}, torch.ones(1, 2))
+    assert torch.equal(torch.rand(3), expected)

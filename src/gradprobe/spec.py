@@ -27,7 +27,9 @@ class ProbeSpec:
     """What to probe.
 
     Args:
-        model: the ``nn.Module``, or a zero-argument factory returning a fresh one.
+        model: the ``nn.Module``, or a zero-argument factory returning a fresh one (called with every RNG
+            seeded by ``seed``, so its initial weights are the same in every process; the caller's RNG
+            state is left as it was).
         step: the training step. *Terms mode*: ``step(model, batch) -> dict[str, Tensor]`` of named
             scalar loss terms. *Weights mode*: ``step(model, batch, weights) -> Tensor`` (the total
             loss), where ``weights`` maps each term name to a 0-dim tensor; it may also return
@@ -179,7 +181,7 @@ def resolve_model(spec: ProbeSpec) -> torch.nn.Module:
         if not callable(model):
             raise SpecError(f"model must be an nn.Module or a factory, got {type(model).__name__}")
         try:
-            model = model()
+            model = _built_seeded(model, spec.seed)
         except Exception as e:
             if isinstance(spec.model, type):
                 raise SpecError(
@@ -195,6 +197,20 @@ def resolve_model(spec: ProbeSpec) -> torch.nn.Module:
             raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
     _check_values(model)
     return model
+
+
+def _built_seeded(factory: Callable[[], Any], seed: int) -> Any:
+    """``factory()`` with every RNG seeded by ``spec.seed`` (its initial weights are the same in every
+    process: torch's default seed differs per process, so snapshots of a factory's model never matched),
+    and the caller's RNG streams as they were afterwards."""
+    from .state import _restore_rng, _snapshot_rng, reseed
+
+    saved = _snapshot_rng()
+    try:
+        reseed(seed)
+        return factory()
+    finally:
+        _restore_rng(saved)
 
 
 def _check_values(model: torch.nn.Module) -> None:

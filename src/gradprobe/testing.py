@@ -151,14 +151,25 @@ class Snapshot:
             raise AssertionError(
                 f"no gradprobe snapshot at {self.path}: run pytest with --gradprobe-update to create it"
             )
-        changes = flow_changes(FlowMap.from_json(self.path), fm)
+        old = FlowMap.from_json(self.path)
+        changes = flow_changes(old, fm)
         if changes:
             shown = changes[:20] + ([f"… and {len(changes) - 20} more"] if len(changes) > 20 else [])
+            what = "gradient flow differs from"
+            hint = "\n(if the change is intended, rerun with --gradprobe-update to rewrite the snapshot)"
+            if not flow_changes(old, fm, norm_rtol=math.inf):
+                what = "gradient norms differ from"
+                hint = (
+                    "\nThe flow is the same (every status, verdict, run error and error finding matches); "
+                    "only norms moved. Other initial weights or data give this: a model built outside the "
+                    "spec without a fixed seed (a factory passed as spec.model is seeded by spec.seed), a "
+                    "batch drawn from an unseeded RNG, or another torch/BLAS version." + hint
+                )
             raise AssertionError(
                 visible(
-                    f"gradient flow differs from the snapshot {self.path.name} ({len(changes)} change(s)):\n  "
+                    f"{what} the snapshot {self.path.name} ({len(changes)} change(s)):\n  "
                     + "\n  ".join(shown)
-                    + "\n(if the change is intended, rerun with --gradprobe-update to rewrite the snapshot)"
+                    + hint
                 )
             )
 
