@@ -8,12 +8,13 @@ such as a deliberately unused head, never fail it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,15 @@ def _common(p: argparse.ArgumentParser) -> None:
         "-q",
         action="store_true",
         help="no progress on stderr (by default: which variant and stage runs, once a probe takes over a second)",
+    )
+    p.add_argument(
+        "--expect",
+        action="append",
+        default=[],
+        metavar="'SCENARIO=PREFIX[,PREFIX]'",
+        help="declare what a scenario must reach, e.g. --expect 'force only=fitting' (parameter names or module "
+        "prefixes; SCENARIO!=PREFIX: must not reach); repeatable, added to the spec's expect=. A broken "
+        "declaration is an expectation-unmet error, located with --diagnose",
     )
     p.add_argument(
         "--diagnose",
@@ -432,11 +442,43 @@ def _checks(given: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _cli_expect(given: Sequence[str]) -> dict[str, dict[str, list[str]]]:
+    """``--expect 'force only=fitting,descriptor' --expect 'energy only!=aux'`` as expect= data."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for option in given:
+        negated = "!=" in option
+        scenario, sep, prefixes = option.partition("!=" if negated else "=")
+        names = [p.strip() for p in prefixes.split(",") if p.strip()]
+        if not sep or not scenario.strip() or not names:
+            raise SpecError(
+                f"--expect {option!r}: write SCENARIO=PREFIX[,PREFIX] (must reach) or SCENARIO!=PREFIX "
+                "(must not reach), e.g. --expect 'force only=fitting'"
+            )
+        entry = out.setdefault(scenario.strip(), {"reaches": [], "not_reaches": []})
+        entry["not_reaches" if negated else "reaches"].extend(names)
+    return out
+
+
+def _with_expect(
+    declared: Any, extra: Mapping[str, Mapping[str, list[str]]]
+) -> dict[str, dict[str, list[str]]]:
+    """The spec's expect= with the command line's declarations added (scenario by scenario)."""
+    from .declarations import KINDS, normalized_expect
+
+    merged = normalized_expect(declared)
+    for scenario, entry in extra.items():
+        mine = merged.setdefault(scenario, {k: [] for k in KINDS})
+        for kind in KINDS:
+            mine[kind] = list(dict.fromkeys([*mine[kind], *entry.get(kind, [])]))
+    return merged
+
+
 def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
     """``demo`` and ``run``: build the spec (or adapter) and probe it."""
     from .probe import probe
 
     diagnose = args.diagnose
+    expect = _cli_expect(args.expect)
     if args.command == "demo":
         from .zoo import reference_spec
         from .zoo.bugs import BUGS
@@ -462,9 +504,12 @@ def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
         if args.reference:
             raise SpecError("a trainer adapter's reference is its first configuration: drop --reference")
         configurations, knobs = parse_configurations(spec, args.variants)
+        fields = {"expect": _with_expect(getattr(spec, "expect", None), expect)} if expect else {}
         return probe_trainer(
-            spec, configurations=configurations, knobs=knobs, diagnose=diagnose, checks=checks
+            spec, configurations=configurations, knobs=knobs, diagnose=diagnose, checks=checks, **fields
         )
+    if expect:
+        spec = dataclasses.replace(spec, expect=_with_expect(spec.expect, expect))
     return probe(spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks)
 
 

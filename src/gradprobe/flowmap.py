@@ -132,6 +132,8 @@ class FlowMap:
     findings: tuple[Finding, ...] = ()
     gradprobe_version: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    # the spec's expect=, normalised: {scenario: {"reaches": [prefix, ...], "not_reaches": [...]}}
+    expect: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     reference: str = "eager"  # the variant others are compared with
     rtol: float | None = None  # relative L1 error above which a value counts as wrong
     warnings: tuple[str, ...] = ()
@@ -248,6 +250,7 @@ class FlowMap:
             ],
             "findings": [asdict(f) for f in self.findings],
             "notes": dict(self.notes),
+            "expect": {s: {k: list(v) for k, v in e.items()} for s, e in self.expect.items()},
             "reference": self.reference,
             "rtol": self.rtol,
             "warnings": list(self.warnings),
@@ -345,6 +348,7 @@ class FlowMap:
                     for f in r.objects("findings", ())
                 ),
                 notes=r.texts_by_name("notes"),
+                expect=_expect(r),
                 reference=r.text("reference", "eager"),
                 rtol=r.number("rtol", None),
                 warnings=tuple(r.texts("warnings", ())),
@@ -606,6 +610,15 @@ def _cell_maker() -> Any:
 
 
 _make_cell = _cell_maker()
+
+
+def _expect(r: _Fields) -> dict[str, dict[str, list[str]]]:
+    """The spec's declarations: {scenario: {"reaches": [...], "not_reaches": [...]}} (older maps: {})."""
+    out = {}
+    for scenario, entry in r.obj("expect", {}).items():
+        e = _object(entry, f"expect[{scenario!r}]")
+        out[scenario] = {k: e.texts(k, []) for k in ("reaches", "not_reaches")}
+    return out
 
 
 def _parameters(r: _Fields) -> tuple[ParameterInfo, ...]:

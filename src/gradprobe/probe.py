@@ -16,6 +16,7 @@ from .batch import check_devices, check_not_inference, with_differentiable_input
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
 from .compare import consistency_tolerance, noise_pairs, tolerance, verdict
+from .declarations import check_against, normalized_expect
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
 from .evidence.dynamo_events import Watch
@@ -147,6 +148,8 @@ def _run_probe(
 
     terms: list[str] = list(spec.terms) if spec.terms is not None else []
     scenarios: Sequence[Scenario] = resolve_scenarios(spec.scenarios, terms) if terms else ()
+    if scenarios:  # a misspelt declaration fails before anything is compiled (else after the eager call)
+        check_against(normalized_expect(spec.expect), [s.name for s in scenarios], [n for n, _ in trainable])
     measured: list[_Measured] = []
     bisections: list[dict[str, Any]] = []
     breaks: list[dict[str, Any]] = []
@@ -569,6 +572,8 @@ def _flow_map(
             # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
             cells.extend(Cell(x.info.name, m.scenario, n, "none", None) for n in frozen)
     first = trainable[0][1]
+    expect = normalized_expect(spec.expect)
+    check_against(expect, [s.name for s in scenarios], [n for n, _ in trainable])
     fm = FlowMap(
         torch_version=torch.__version__,
         device=str(first.device),
@@ -582,6 +587,7 @@ def _flow_map(
         cells=tuple(cells),
         gradprobe_version=__version__,
         notes=dict(spec.notes),
+        expect=expect,
         reference=ref_name,
         rtol=tolerance(dtype),
         warnings=tuple(_stochastic_warnings(model, measured)),

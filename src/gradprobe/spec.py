@@ -54,7 +54,12 @@ class ProbeSpec:
         differentiable_inputs: batch keys that the probe clones and marks ``requires_grad_`` before each
             run (for steps that expect the caller to do it). The user's batch is never modified.
         notes: ``{parameter name or prefix: why it may legitimately get no gradient}``; shown in the
-            report next to unreached parameters.
+            report next to unreached parameters, and a cut they cover is information, not an error.
+        expect: what each scenario must reach: ``{"force only": ["fitting."]}`` (parameter names or
+            module prefixes that must get a non-zero gradient), or ``{scenario: {"reaches": [...],
+            "not_reaches": [...]}}``. A broken declaration is an ``expectation-unmet`` error naming the
+            parameters and, with ``diagnose=True``, where the gradient stops. One mechanism with
+            ``notes`` (declarations.py).
         prefactor_schedule: for a trainer whose loss prefactors follow a schedule (DeePMD's move from
             ``start_pref_*`` to ``limit_pref_*`` with the learning rate): ``{"now": {term: prefactor},
             "limit": {term: prefactor}, "step": "what 'now' is"}``. The balance check is taken at the
@@ -82,6 +87,7 @@ class ProbeSpec:
     box_key: str | None = "box"
     differentiable_inputs: Sequence[str] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
+    expect: Mapping[str, Any] | None = None
     prefactor_schedule: Mapping[str, Any] | None = None
     seed: int = 0
     variants: str | Sequence[str] | None = None
@@ -131,6 +137,9 @@ def _check_fields(spec: ProbeSpec) -> None:
             f"notes must be a mapping {{parameter name or prefix: why it may get no gradient}}, got "
             f"{_shown(spec.notes)}; e.g. notes={example or {'aux_head': 'unused by design'}}"
         )
+    from .declarations import normalized_expect
+
+    normalized_expect(spec.expect)  # a wrong shape fails here, with the accepted forms
     clip = spec.clip_grad_norm
     if clip is not None and (
         isinstance(clip, bool) or not isinstance(clip, int | float) or not math.isfinite(clip) or clip <= 0

@@ -14,15 +14,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .declarations import unmet
 from .flowmap import FlowMap
 from .report.controls import visible
 from .spec import ProbeSpec
 
 NORM_RTOL = 1e-6  # norms may drift by this much between runs and machines without counting as a change
-
-
-def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return any(name == p or name.startswith(p.rstrip(".") + ".") for p in patterns)
 
 
 def grad_flow_problems(
@@ -46,21 +43,17 @@ def grad_flow_problems(
             for p, c in fm.differences(v, s).items():
                 problems.append(f"{s} in {v}: {p} is {c.verdict} against {fm.reference} (status {c.status}, "
                                 f"rel. error {c.rel_error:.3g})")  # fmt: skip
-    for s, expected in (reaches or {}).items():
-        expected = list(expected)
-        for v in fm.variant_names:
-            if fm.run(v, s).error is None:
-                got = fm.reached(v, s)
-                lost = [p for p in fm.trainable if _matches(p, expected) and p not in got]
-                if lost:
-                    problems.append(f"{s} in {v}: expected to reach {', '.join(lost)}, but it does not")
-    for s, unexpected in (not_reaches or {}).items():
-        unexpected = list(unexpected)
-        for v in fm.variant_names:
-            if fm.run(v, s).error is None:
-                extra = sorted(p for p in fm.reached(v, s) if _matches(p, unexpected))
-                if extra:
-                    problems.append(f"{s} in {v}: expected not to reach {', '.join(extra)}, but it does")
+    declared = {
+        s: {"reaches": list((reaches or {}).get(s, ())), "not_reaches": list((not_reaches or {}).get(s, ()))}
+        for s in [*(reaches or {}), *(not_reaches or {})]
+    }
+    problems += [
+        f"expected flow for the scenario {s!r}, which the flow map does not have (its scenarios: "
+        f"{', '.join(fm.scenario_names)})"
+        for s in declared if s not in fm.scenario_names
+    ]  # fmt: skip
+    # The same evaluation as a spec's expect= (declarations.unmet); those already are error findings.
+    problems += [u.text() for u in unmet(fm, declared)]
     return problems
 
 

@@ -32,7 +32,8 @@ without ``model`` still probes, but checks on copies report that they could not 
 return a ``gradprobe.build.Built`` to add a
 compile counter (proof that compiled code ran in each measurement) and the traced graph (for the
 graph lint). Optional: ``second_batch()`` (catches graphs that froze trace-time values),
-``notes`` (``{parameter prefix: why it may get no gradient}``), ``spec_fields()`` (more
+``notes`` (``{parameter prefix: why it may get no gradient}``), ``expect`` (``{scenario: [prefix, ...]}``
+that must be reached), ``spec_fields()`` (more
 ``ProbeSpec`` fields, e.g. ``energy_fn``/``predict`` for the physics check).
 
 ``probe_trainer(adapter)`` measures every configuration in every scenario and compares gradient values
@@ -181,6 +182,7 @@ def trainer_spec(adapter: TrainerAdapter, **spec_fields: Any) -> ProbeSpec:
         "mode": "weights",
         "name": adapter.name,
         "notes": dict(getattr(adapter, "notes", {}) or {}),
+        "expect": getattr(adapter, "expect", None),
     }
     if second is not None and "second_batch" not in spec_fields:
         fields["second_batch"] = second()

@@ -18,6 +18,7 @@ from . import (
     data_dependent_trace,
     dead_term,
     double_backward,
+    expectation_unmet,
     failed_checks,
     flow_mismatch,
     frozen_trace,
@@ -55,6 +56,7 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
     shape_locked.detect,
     balance_causes.detect,
     failed_checks.detect,
+    expectation_unmet.detect,
 )
 # In order: each reports only what the specific causes and the generic ones before it left unexplained.
 GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
