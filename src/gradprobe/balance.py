@@ -18,6 +18,7 @@ Groups are top-level modules (``fitting``, ``descriptor``; top-level parameters 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -89,15 +90,20 @@ def balance_report(
         )
     else:
         result["optimizer"] = None
-    result["frozen"] = (
-        _part("frozen parameters", lambda: _frozen_needed(model, terms, call_terms), errors) or {}
+    # One more call of the step serves both: frozen parameters a term would reach, and (only when terms
+    # conflict) which terms are derivatives.
+    want_derived = bool(result["conflicts"])
+    frozen_and_derived = _part(
+        "frozen parameters" + (" and derivatives" if want_derived else ""),
+        lambda: _frozen_and_derived(model, terms, call_terms, want_derived),
+        errors,
     )
-    if result["conflicts"] and call_terms is not None:
-        derived = _part("derivatives", lambda: derivative_terms(call_terms, terms), errors)
-        if derived is not None:
-            result["derivatives"] = sorted(derived)
-            for c in result["conflicts"]:
-                c["derived"] = [t in derived for t in c["terms"]]
+    frozen, derived = frozen_and_derived or ({}, None)
+    result["frozen"] = frozen
+    if derived is not None:
+        result["derivatives"] = sorted(derived)
+        for c in result["conflicts"]:
+            c["derived"] = [t in derived for t in c["terms"]]
     if spec.clip_grad_norm is not None:
         result["clipping"] = _part(
             "clipping", lambda: _clipping(spec.clip_grad_norm, terms, grads, sq), errors
@@ -242,17 +248,22 @@ def _optimizer_audit(
     return {"optimizer": the_plan.cls.__name__, "not_in_optimizer": missing, "zero_lr": zero_lr}
 
 
-def _frozen_needed(model: torch.nn.Module, terms: list[str], call_terms: Any) -> dict[str, list[str]]:
-    """Frozen parameters each term would reach: unfrozen for one forward (restored by the caller)."""
+def _frozen_and_derived(
+    model: torch.nn.Module, terms: list[str], call_terms: Any, want_derived: bool
+) -> tuple[dict[str, list[str]], set[str] | None]:
+    """Frozen parameters each term would reach (unfrozen for one call, restored here) and, if asked,
+    the terms that are derivatives (``derivative_terms``), from at most one call of the step."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    if not frozen or call_terms is None:
-        return {}
+    if call_terms is None or not (frozen or want_derived):
+        return {}, None
+    mode = _Derivation() if want_derived else contextlib.nullcontext()
     for _, p in frozen:
         p.requires_grad_(True)
     try:
-        values = call_terms()
+        with mode:
+            values = call_terms()
         out: dict[str, list[str]] = {}
-        for t in terms:
+        for t in terms if frozen else ():
             if t not in values or not values[t].requires_grad:
                 continue
             gs = torch.autograd.grad(values[t], [p for _, p in frozen], retain_graph=True, allow_unused=True)
@@ -261,7 +272,12 @@ def _frozen_needed(model: torch.nn.Module, terms: list[str], call_terms: Any) ->
             ]
             if needed:
                 out[t] = needed
-        return out
+        derived = (
+            {t for t in terms if isinstance(values.get(t), torch.Tensor) and values[t] in mode.marked}
+            if isinstance(mode, _Derivation)
+            else None
+        )
+        return out, derived
     finally:
         for _, p in frozen:
             p.requires_grad_(False)
