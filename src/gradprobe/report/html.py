@@ -47,7 +47,7 @@ dl{display:grid;grid-template-columns:70px 1fr;gap:3px 10px;margin:6px 0}dt{colo
 pre{margin:4px 0 0;padding:6px 9px;background:#111827;color:#e5e7eb;border-radius:4px;white-space:pre-wrap;font-size:12.5px}
 code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}ul{margin:8px 0;padding-left:20px}
 table{border-collapse:collapse}td,th{padding:4px 10px;text-align:left}.grid td,.grid th{border-bottom:1px solid #e5e7eb}
-.grid th{background:#f9fafb;font-weight:600}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
+.grid th{background:#f9fafb;font-weight:600}.grid th,.grid td code,h3,.sub{overflow-wrap:anywhere}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
 .hm-wrap{overflow-x:auto}.heatmap th,.heatmap td{padding:0}.first{border-left:3px solid #fff}.frozen{color:#9ca3af}
 .heatmap .pname{padding:1px 12px 1px 0;font:12.5px ui-monospace,monospace;white-space:nowrap}
 .heatmap .scen{text-align:center;padding:2px 3px;border-bottom:1px solid #d1d5db;border-left:3px solid #fff;font-size:12.5px;overflow-wrap:anywhere}
@@ -316,11 +316,12 @@ def _failed_swatch() -> str:
     return f'<svg width="14" height="12" aria-hidden="true">{_cross(7, 6, 4.5)}</svg>'
 
 
-def _hatch(pid: str) -> str:
+def _failed_bar(x: float, y: float, w: float, h: float, extra: str = "") -> str:
+    """A run that failed, where its bar would be: a grey bar of the plot's full height, outlined in dashes
+    (no pattern: a ``url(#...)`` fill would be the page's only ``url(``)."""
     return (
-        f'<defs><pattern id="{pid}" width="6" height="6" patternUnits="userSpaceOnUse" '
-        'patternTransform="rotate(45)"><rect width="6" height="6" fill="#e5e7eb"/>'
-        '<rect width="3" height="6" fill="#9ca3af"/></pattern></defs>'
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:g}" height="{h:g}" fill="#e5e7eb" stroke="#6b7280" '
+        f'stroke-width="1" stroke-dasharray="2 2"{extra}'
     )
 
 
@@ -348,9 +349,9 @@ def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int, chart: int) -> str:
+def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int) -> str:
     """Grouped bars of log10 L1 norm per trainable parameter in model order, one bar per variant: a run
-    that failed is a hatched bar, a gradient the reference has and a variant lost is a red x."""
+    that failed is a grey dashed bar, a gradient the reference has and a variant lost is a red x."""
     params, names, styles = fm.trainable, fm.variant_names, _styles(fm.variant_names)
     nv = len(names)
     slot = max(4, min(18, 28 // nv))  # one bar's width
@@ -365,8 +366,7 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int, chart: int) -> str
             failed[v] = _why(run.error if run else fm.variant(v).error)
         else:
             cells[v] = fm.cells_of(v, scenario)
-    pid = f"hatch-{chart}"
-    parts = [_hatch(pid) if failed else "", _y_axis(lo, hi, left, w - 6, y)]
+    parts = [_y_axis(lo, hi, left, w - 6, y)]
     for i, p in enumerate(params):
         x0 = left + i * gw + 3
         for k, v in enumerate(names):
@@ -374,10 +374,8 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int, chart: int) -> str
             mid = x + slot / 2
             if v in failed:
                 tip = esc(f"{p} · {v}: run failed — {failed[v]}")
-                parts.append(
-                    f'<rect x="{x:.1f}" y="{top}" width="{slot - 1}" height="{ph}" fill="url(#{pid})" '
-                    f'data-variant="{esc(v)}" data-kind="failed"><title>{tip}</title></rect>'
-                )
+                extra = f' data-variant="{esc(v)}" data-kind="failed"'
+                parts.append(f"{_failed_bar(x + 0.5, top, slot - 2, ph, extra)}><title>{tip}</title></rect>")
                 continue
             c = cells[v].get(p)
             status, norm, vd = (c.status, c.norm, c.verdict or "") if c else ("absent", None, "")
@@ -430,15 +428,15 @@ def _norm_charts(fm: FlowMap) -> str:
         if c.norm is not None
     ]
     lo, hi = _log_range(norms)
-    charts = [_norm_chart(fm, s, lo, hi, i) for i, s in enumerate(singles)]
+    charts = [_norm_chart(fm, s, lo, hi) for s in singles]
     styles = _styles(fm.variant_names)
     key = [f"<span>{_swatch(styles[v], line=False)}{esc(v)}</span>" for v in fm.variant_names]
     if len(fm.variants) > 1:
         key.append(
             f"<span>{_failed_swatch()}gradient lost: {esc(fm.reference)} has one, this variant none</span>"
         )
-        key.append(f'<span><svg width="14" height="12" aria-hidden="true">{_hatch("hatch-key")}'
-                   '<rect width="12" height="12" fill="url(#hatch-key)"/></svg>run failed</span>')  # fmt: skip
+        bar = _failed_bar(3.5, 0.5, 7, 11)
+        key.append(f'<span><svg width="14" height="12" aria-hidden="true">{bar}/></svg>run failed</span>')
         key.append(f'<span><svg width="14" height="12" aria-hidden="true"><rect x="2" y="1" width="10" height="10" '
                    f'fill="#fff" stroke="{FAIL}" stroke-width="1.5"/></svg>wrong value vs {esc(fm.reference)}</span>')  # fmt: skip
     key.append("<span>N / ∞: NaN / infinite gradient; an empty slot: no gradient</span>")
