@@ -47,7 +47,7 @@ dl{display:grid;grid-template-columns:70px 1fr;gap:3px 10px;margin:6px 0}dt{colo
 pre{margin:4px 0 0;padding:6px 9px;background:#111827;color:#e5e7eb;border-radius:4px;white-space:pre-wrap;font-size:12.5px}
 code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}ul{margin:8px 0;padding-left:20px}
 table{border-collapse:collapse}td,th{padding:4px 10px;text-align:left}.grid td,.grid th{border-bottom:1px solid #e5e7eb}
-.grid th{background:#f9fafb;font-weight:600}.grid th,.grid td code,h3,.sub{overflow-wrap:anywhere}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
+.grid th{background:#f9fafb;font-weight:600}h3,.sub{overflow-wrap:anywhere}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
 .hm-wrap{overflow-x:auto}.heatmap th,.heatmap td{padding:0}.first{border-left:3px solid #fff}.frozen{color:#9ca3af}
 .heatmap .pname{padding:1px 12px 1px 0;font:12.5px ui-monospace,monospace;white-space:nowrap}
 .heatmap .scen{text-align:center;padding:2px 3px;border-bottom:1px solid #d1d5db;border-left:3px solid #fff;font-size:12.5px;overflow-wrap:anywhere}
@@ -165,7 +165,7 @@ def _summary(fm: FlowMap) -> str:
     return _section(
         "Parameters reached per scenario",
         f'<p class="hint">non-zero gradient / trainable{esc(note)}</p>'
-        + _table(["scenario", *map(esc, fm.variant_names)], rows)
+        + _table(["scenario", *map(_breakable, fm.variant_names)], rows)
         + (f"<ul>{interp}</ul>" if interp else ""),
         "summary",
     )
@@ -187,12 +187,31 @@ def _diffs(fm: FlowMap) -> str:
                 for p, c in diffs.items()
             ]  # fmt: skip
             if rows:
-                header = ["parameter", esc(fm.reference), esc(v), "L1 ref", "L1", "rel. error", "verdict"]
-                blocks.append(f"<h3>{esc(s)}: {esc(fm.reference)} vs {esc(v)}</h3>" + _table(header, rows))
+                header = [
+                    "parameter",
+                    _breakable(fm.reference),
+                    _breakable(v),
+                    "L1 ref",
+                    "L1",
+                    "rel. error",
+                    "verdict",
+                ]
+                blocks.append(
+                    f"<h3>{esc(s)}: {_breakable(fm.reference)} vs {_breakable(v)}</h3>" + _table(header, rows)
+                )
     return _section("Per-parameter diff", "".join(blocks) or '<p class="hint">No cell differs.</p>', "diff")
 
 
 # ----- heat map --------------------------------------------------------------------------------
+
+
+def _breakable(name: str) -> str:
+    """``name`` escaped, with a line-break opportunity after each ``+ , [ :`` (a variant name has no
+    space: in a table header it would otherwise widen its column past the page)."""
+    out = esc(name)
+    for c in "+,[:":
+        out = out.replace(c, c + "<wbr>")
+    return out
 
 
 def _short(name: str, limit: int = HEADER_CHARS) -> str:
@@ -320,9 +339,13 @@ def _failed_bar(x: float, y: float, w: float, h: float, extra: str = "") -> str:
     """A run that failed, where its bar would be: a grey bar of the plot's full height, outlined in dashes
     (no pattern: a ``url(#...)`` fill would be the page's only ``url(``)."""
     return (
-        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:g}" height="{h:g}" fill="#e5e7eb" stroke="#6b7280" '
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:g}" height="{h:g}" fill="#d1d5db" stroke="#374151" '
         f'stroke-width="1" stroke-dasharray="2 2"{extra}'
     )
+
+
+def _failed_bar_swatch() -> str:
+    return f'<svg width="14" height="12" aria-hidden="true">{_failed_bar(3.5, 0.5, 7, 11)}/></svg>'
 
 
 def _log_range(values: list[float]) -> tuple[int, int]:
@@ -394,10 +417,10 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int) -> str:
                     f'data-kind="{status}"><title>{tip}</title>{SYMBOL[status]}</text>'
                 )
             elif vd == "missing" or status == "absent":
-                r = max(min(slot / 2 - 0.5, 4), 2)
+                r = 3.5
                 parts.append(
                     f'<g data-variant="{esc(v)}" data-kind="missing"><title>{tip}</title>'
-                    f"{_cross(mid - 0.5, base - r - 2, r, FAIL, 1.6)}</g>"
+                    f"{_cross(mid - 0.5, base - r - 2, r, FAIL, 2)}</g>"
                 )
         centre = left + i * gw + gw / 2
         short = p if len(p) <= 26 else "…" + p[-25:]
@@ -408,7 +431,7 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int) -> str:
     parts.append(f'<line x1="{left}" x2="{w - 6}" y1="{base}" y2="{base}" stroke="#6b7280"/>')
     svg = f'<svg width="{w}" height="{base + bottom}" role="img">{"".join(parts)}</svg>'
     notes = "".join(
-        f'<span class="failed" title="{esc(why)}">{_failed_swatch()}{esc(v)}: run failed — {esc(_clip(why))}</span>'
+        f'<span class="failed" title="{esc(why)}">{_failed_bar_swatch()}{esc(v)}: run failed — {esc(_clip(why))}</span>'
         for v, why in failed.items()
     )
     legend = f'<div class="legend">{notes}</div>' if notes else ""
@@ -435,8 +458,7 @@ def _norm_charts(fm: FlowMap) -> str:
         key.append(
             f"<span>{_failed_swatch()}gradient lost: {esc(fm.reference)} has one, this variant none</span>"
         )
-        bar = _failed_bar(3.5, 0.5, 7, 11)
-        key.append(f'<span><svg width="14" height="12" aria-hidden="true">{bar}/></svg>run failed</span>')
+        key.append(f"<span>{_failed_bar_swatch()}run failed</span>")
         key.append(f'<span><svg width="14" height="12" aria-hidden="true"><rect x="2" y="1" width="10" height="10" '
                    f'fill="#fff" stroke="{FAIL}" stroke-width="1.5"/></svg>wrong value vs {esc(fm.reference)}</span>')  # fmt: skip
     key.append("<span>N / ∞: NaN / infinite gradient; an empty slot: no gradient</span>")
@@ -596,7 +618,7 @@ def _balance(b: Any) -> str:
                     continue
                 d, pct = drowned.get((term, g)), 100 * shares[g]
                 note = f"; drowned by {d['by']}" if d else ""
-                bar = f"background:linear-gradient(90deg,#dbeafe {pct:.1f}%,transparent {pct:.1f}%)"
+                bar = f"background:linear-gradient(#60a5fa,#60a5fa) no-repeat left bottom/{pct:.1f}% 4px"
                 cells.append(
                     f'<td class="num share{" bad" * bool(d)}" style="{bar}" '
                     f'title="{esc(f"{term} in {g}: L1 norm {norm:.4g}, {pct:.1f}% of the group{note}")}">'
@@ -671,7 +693,7 @@ def _environment(fm: FlowMap) -> str:
     ]  # fmt: skip
     kv = _table([], [[f"<b>{esc(k)}</b>", esc(x)] for k, x in facts])
     rows = [
-        [f"<code>{esc(v.name)}</code>", esc(", ".join(f"{k}={x}" for k, x in v.knobs.items()) or "-"),
+        [f"<code>{_breakable(v.name)}</code>", esc(", ".join(f"{k}={x}" for k, x in v.knobs.items()) or "-"),
          esc(v.capture), esc(v.backend or "-"), esc(_num(v.compile_count, "g")), esc(_num(v.graphs, "g")),
          esc(_num(v.graph_breaks, "g")), f"{v.seconds:.1f}s",
          esc(f"{v.error.stage} {v.error.type}: {v.error.message}" if v.error else "-")]
