@@ -413,3 +413,21 @@ def test_in_chromium_layout_at_width(wide_map, tmp_path, width):
         ARTIFACTS.mkdir(exist_ok=True)
         shutil.copy(shot, ARTIFACTS / shot.name)
         print(f"screenshot: {shot} (copy: {ARTIFACTS / shot.name})")
+
+
+def test_curves_of_a_variant_that_never_ran_and_a_single_value(makefx_map):
+    training = {
+        "curves": {"eager": {"energy": [1.0]}, "broken": {"energy": []}, "nan": {"energy": ["nan", "nan"]}},
+        "verdicts": {"eager": {"energy": "flat"}, "broken": {"energy": "error"}, "nan": {"energy": "error"}},
+        "errors": {"broken": {"energy": "RuntimeError: build: boom"}},
+    }
+    fm = dataclasses.replace(makefx_map, checks={"training": training})
+    page = render_html(fm)
+    assert page == render_html(fm)  # deterministic
+    chart = section_of(page, "checks").split('id="training"')[1]
+    assert chart.count('data-kind="failed"') == 2  # an x for each, labelled, even with no point to end on
+    assert "broken failed</text>" in chart and "nan failed</text>" in chart
+    assert "broken: failed after 0 value(s) — RuntimeError: build: boom" in chart
+    assert "nan: failed after 0 value(s) — the check marked it as an error" in chart
+    assert "eager: flat" in chart and chart.count("<polyline") == 1  # one point: a marker on its line
+    assert re.search(r'<circle cx="[\d.]+" cy="[\d.]+" r="4.0" fill="#2563eb"', chart)

@@ -339,7 +339,7 @@ def _failed_bar(x: float, y: float, w: float, h: float, extra: str = "") -> str:
     """A run that failed, where its bar would be: a grey bar of the plot's full height, outlined in dashes
     (no pattern: a ``url(#...)`` fill would be the page's only ``url(``)."""
     return (
-        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:g}" height="{h:g}" fill="#d1d5db" stroke="#374151" '
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:g}" height="{h:g}" fill="#b8bec8" stroke="#374151" '
         f'stroke-width="1" stroke-dasharray="2 2"{extra}'
     )
 
