@@ -171,6 +171,9 @@ def test_failed_runs_give_failed_cells_with_the_error(eval_map):
     titles = [c["title"] for c in dom.cells if c["data-scenario"] == "force only"]
     assert all("does not require grad" in t for t in titles)
     assert "trace-eval-mode" in dom.all_text and "call model.train()" in dom.all_text
+    norms = section_of(render_html(eval_map), "norms")  # each bar a failed one, with the reason below
+    assert norms.count('data-variant="eager" data-kind="failed"') == 3 * len(eval_map.trainable)
+    assert "run failed</span>" in norms and norms.count("</svg>eager: run failed — backward") == 3
 
 
 def test_user_text_is_escaped(evil_map):
@@ -385,11 +388,13 @@ class Pre(HTMLParser):
 
 
 @pytest.mark.parametrize("width", [1280, 1920])
-def test_in_chromium_layout_at_width(wide_map, tmp_path, width):
+def test_in_chromium_layout_at_width(wide_map, eval_map, tmp_path, width):
     """The report as the issue's screenshots saw it, laid out by Chromium: headers fit their cells and
     overlap neither each other nor the scenario titles, no text is clipped, no chart overlaps another."""
     huge = "make_fx[detach=alias,tracing_mode=symbolic,pre_dispatch=true]+compile:aot_eager_decomp_partition"
-    for label, fm in (("wide", wide_map), ("huge-name", renamed(wide_map, LONG, huge))):
+    cases = [("wide", wide_map), ("huge-name", renamed(wide_map, LONG, huge))]
+    cases += [("all-failed", eval_map)] * (width == 1280)  # one variant, every run failed
+    for label, fm in cases:
         page = tmp_path / f"report-{label}.html"
         page.write_text(render_html(fm), encoding="utf-8")
         checked = tmp_path / f"report-{label}-layout.html"
@@ -399,7 +404,8 @@ def test_in_chromium_layout_at_width(wide_map, tmp_path, width):
         layout = json.loads(Pre(dumped).text)
         assert layout["width"] == width
         assert layout["headers"] == len(fm.variants) * len(fm.scenarios) and layout["scenarios"] == 4
-        assert 150 < layout["header_height"] < 400  # grown to the longest name, no more
+        if fm is not eval_map:
+            assert 150 < layout["header_height"] < 400  # grown to the longest name, no more
         assert layout["problems"] == [], layout["problems"]
         shot = tmp_path / f"report-{label}-{width}.png"
         height = min(layout["height"] + 40, 12000)

@@ -458,9 +458,10 @@ def _norm_charts(fm: FlowMap) -> str:
         key.append(
             f"<span>{_failed_swatch()}gradient lost: {esc(fm.reference)} has one, this variant none</span>"
         )
-        key.append(f"<span>{_failed_bar_swatch()}run failed</span>")
         key.append(f'<span><svg width="14" height="12" aria-hidden="true"><rect x="2" y="1" width="10" height="10" '
                    f'fill="#fff" stroke="{FAIL}" stroke-width="1.5"/></svg>wrong value vs {esc(fm.reference)}</span>')  # fmt: skip
+    if any((r := _run(fm, v, s)) is None or r.error is not None for v in fm.variant_names for s in singles):
+        key.append(f"<span>{_failed_bar_swatch()}run failed</span>")
     key.append("<span>N / ∞: NaN / infinite gradient; an empty slot: no gradient</span>")
     return _section(
         "Gradient flow per term: log10 L1 norm per parameter, in model order",
