@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import re
 import shutil
 import subprocess
@@ -18,12 +19,15 @@ import torch
 import gradprobe
 import gradprobe.zoo
 from gradprobe.flowmap import FlowMap
-from gradprobe.report.html import render_html
+from gradprobe.report.html import HEADER_CHARS, _short, esc, render_html
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"  # CI keeps it (gitignored)
 EVIL = "<script>alert(1)</script>"
 EVIL_TERM = '<img src=x onerror="document.body.dataset.pwned=1">'
+LONG = "make_fx[detach=alias]+compile:aot_eager"
+FAILING = "compile:aot_eager"
+WIDE = f"eager,make_fx,{LONG},{FAILING}"
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,14 @@ def makefx_map() -> FlowMap:
 def eval_map() -> FlowMap:
     """Every eager run fails (model in eval mode): the heat map has only failed cells."""
     return gradprobe.probe(gradprobe.zoo.reference_spec(bug="trace-eval-mode"), diagnose=True)
+
+
+@pytest.fixture(scope="module")
+def wide_map() -> FlowMap:
+    """What a real report holds: a long variant name, a variant whose every run fails (aot_eager cannot
+    double-backward), and the training, balance and physics checks."""
+    spec = gradprobe.zoo.reference_spec(bug="makefx-detach")
+    return gradprobe.probe(spec, variants=WIDE, checks=["training", "balance", "physics"], progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +158,7 @@ def test_sections_findings_table_and_charts(makefx_map):
     assert "potential.py:73" in text  # the finding's location
     assert "8/14 ⚠" in text and "reaches 8 vs 10 in eager" in text  # table and interpretation
     norms = page.split('id="norms"')[1].split("</section>")[0]
-    assert norms.count("<figure>") == 3  # energy only, force only, virial only (eager)
+    assert norms.count("<figure") == 3  # energy only, force only, virial only
     assert page.index('id="findings"') < page.index('id="summary"') < page.index('id="heatmap"')
     assert "Per-parameter diff" in text and "missing" in text
     assert "torch 2.13" in text or makefx_map.torch_version in text
@@ -159,6 +171,9 @@ def test_failed_runs_give_failed_cells_with_the_error(eval_map):
     titles = [c["title"] for c in dom.cells if c["data-scenario"] == "force only"]
     assert all("does not require grad" in t for t in titles)
     assert "trace-eval-mode" in dom.all_text and "call model.train()" in dom.all_text
+    norms = section_of(render_html(eval_map), "norms")  # each bar a failed one, with the reason below
+    assert norms.count('data-variant="eager" data-kind="failed"') == 3 * len(eval_map.trainable)
+    assert "run failed</span>" in norms and norms.count("</svg>eager: run failed — backward") == 3
 
 
 def test_user_text_is_escaped(evil_map):
@@ -183,7 +198,7 @@ def test_checks_and_training_curves(makefx_map):
     page = render_html(dataclasses.replace(makefx_map, checks={"training": training}))
     section = page.split('id="checks"')[1].split("</section>")[0]
     assert "training (2 Adam steps per term, on a copy):" in section  # the terminal's check lines
-    assert section.count("<figure>") == 2 and section.count("<polyline") == 4  # force: a gap at nan
+    assert section.count("<figure") == 2 and section.count("<polyline") == 4  # force: a gap at nan
     assert "eager: decreases" in section
     only_curves = render_html(dataclasses.replace(makefx_map, checks={"training": {"curves": curves}}))
     assert only_curves.count("<polyline") == 4  # rendered generically from curves alone
@@ -226,3 +241,199 @@ def test_in_chromium_user_text_stays_text(evil_map, tmp_path):
     assert "data-pwned" not in dom.tags["body"][0]
     assert EVIL in dom.all_text and EVIL_TERM in dom.all_text
     assert {c["data-parameter"] for c in dom.cells} == {EVIL, "ok"}
+
+
+# ----- the issue-19 flaws: headers, balance, curves, per-term charts ------------------------------
+
+
+def section_of(page: str, sid: str) -> str:
+    return page.split(f'id="{sid}"')[1].split("</section>")[0]
+
+
+def renamed(fm: FlowMap, old: str, new: str) -> FlowMap:
+    """``fm`` with variant ``old`` called ``new`` everywhere (through its JSON)."""
+    return FlowMap.from_dict(json.loads(fm.to_json().replace(json.dumps(old), json.dumps(new))))
+
+
+def test_heatmap_headers_hold_the_whole_name(wide_map):
+    page = render_html(wide_map)
+    dom = Dom(page)
+    heads = [a for a in dom.tags["th"] if "vname" in (a.get("class") or "")]
+    assert [a["title"] for a in heads] == list(wide_map.variant_names) * len(wide_map.scenarios)
+    assert f"<span>{LONG}</span>" in page  # 39 characters: shown whole, the header row grows to fit it
+    assert "max-height" not in page.split(".heatmap .vname span")[1].split("}")[0]
+    assert "shortened column names" not in page
+    huge = "make_fx[detach=alias,tracing_mode=symbolic,pre_dispatch=true]+compile:aot_eager_decomp_partition"
+    page = render_html(renamed(wide_map, LONG, huge))
+    short = _short(huge)
+    assert (
+        len(short) == HEADER_CHARS
+        and short.startswith("make_fx[detach=")
+        and short.endswith("decomp_partition")
+    )
+    assert f'title="{esc(huge)}"><span>{esc(short)}</span>' in page
+    assert f"<code>{esc(short)}</code> = <code>{esc(huge)}</code>" in page  # the key below the map
+
+
+def test_balance_is_a_table(wide_map):
+    page = render_html(wide_map)
+    checks = section_of(page, "checks")
+    assert "balance: share of each group" not in checks  # no longer bullet lines
+    balance = checks.split('id="balance"')[1].split('id="training"')[0]
+    shares = balance.split("<table")[1].split("</table>")[0]
+    b = wide_map.checks["balance"]
+    groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
+    header = re.findall(r"<th>(.*?)</th>", shares)
+    assert header == ["term", *(f"<code>{g}</code>" for g in groups)]
+    rows = re.findall(r"<tr>(.*?)</tr>", shares.split("<tbody>")[1])
+    assert len(rows) == len(b["shares"]) == 3
+    for row, (term, share) in zip(rows, b["shares"].items(), strict=True):
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        assert cells[0] == f"<code>{term}</code>" and len(cells) == 1 + len(groups)
+        want = [f"{100 * share[g]:.1f}%" if b["norms"][term][g] > 0 else "-" for g in groups]
+        assert cells[1:] == want
+    assert balance.count("<table") == 3  # shares, conflicts (cosines), one optimizer step per term
+    assert "force vs virial" in balance and "cosine with the joint step" in balance
+
+
+def test_training_curves_tell_every_variant_apart(wide_map):
+    page = render_html(wide_map)
+    training = section_of(page, "checks").split('id="training"')[1]
+    figures = training.split("<figure")[1:]
+    assert len(figures) == 3  # energy, force, virial
+    styles: dict[str, set[tuple[str, str]]] = {}
+    for fig in figures:
+        for v in wide_map.variant_names[:3]:  # they train: a line each, in its own colour and dash
+            line = re.search(rf'<polyline [^>]*data-variant="{re.escape(esc(v))}"', fig)
+            assert line, v
+            colour, dash = (
+                re.search(rf'{k}="([^"]*)"', line.group()) for k in ("stroke", "stroke-dasharray")
+            )
+            styles.setdefault(v, set()).add((colour.group(1), dash.group(1) if dash else ""))
+        # the failed variant: a labelled red x in the chart and the reason in the legend
+        assert f'data-variant="{FAILING}" data-kind="failed"' in fig and f"{FAILING} failed</text>" in fig
+        assert f"{FAILING}: failed after 1 value(s) — RuntimeError: torch.compile with aot_autograd" in fig
+        assert f"{LONG}: decreases (same values as eager)" in fig  # identical curves are said to be
+    assert all(len(s) == 1 for s in styles.values())  # one style per variant, the same in every chart
+    assert len(set.union(*styles.values())) == 3  # and no two variants alike: colour and dash differ
+    assert (
+        len({c for s in styles.values() for c, _ in s})
+        == len({d for s in styles.values() for _, d in s})
+        == 3
+    )
+    widths = re.findall(r'<polyline [^>]*stroke-width="([\d.]+)"', figures[0])
+    assert len(set(widths)) == 3  # coinciding curves nest: the first widest, the last on top narrowest
+
+
+def test_norm_charts_show_every_variant(wide_map):
+    norms = section_of(render_html(wide_map), "norms")
+    charts = dict(re.findall(r"<figcaption>(.*?)</figcaption>(.*?)</figure>", norms))
+    assert list(charts) == ["energy only", "force only", "virial only"]
+    nparams = len(wide_map.trainable)
+    for name, chart in charts.items():
+        bars = {v: chart.count(f'data-variant="{esc(v)}" data-kind="bar"') for v in wide_map.variant_names}
+        reached = {v: len(wide_map.reached(v, name)) for v in wide_map.variant_names[:3]}
+        assert {v: bars[v] for v in reached} == reached
+        assert (
+            chart.count(f'data-variant="{FAILING}" data-kind="failed"') == nparams
+        )  # grey dashed bars, not absent
+        assert f"{FAILING}: run failed — backward RuntimeError" in chart
+    # make_fx loses the hidden biases for force and virial: a red x where eager has a bar
+    lost = re.findall(r'data-variant="make_fx" data-kind="missing"><title>(.*?) · ', charts["force only"])
+    assert lost == ["fitting.layer1.bias", "fitting.layer2.bias"]
+    assert 'data-variant="make_fx" data-kind="missing"' not in charts["energy only"]
+
+
+# Run in the browser after layout: geometry of what the issue saw broken, written into the DOM.
+LAYOUT_JS = """window.addEventListener('load',function(){
+var bad=[],R=function(e){return e.getBoundingClientRect();};
+function T(e){var r=document.createRange();r.selectNodeContents(e);return r.getBoundingClientRect();}
+function cut(a,b){return a.left<b.right-1&&b.left<a.right-1&&a.top<b.bottom-1&&b.top<a.bottom-1;}
+function inside(a,b){return a.left>=b.left-1&&a.right<=b.right+1&&a.top>=b.top-1&&a.bottom<=b.bottom+1;}
+function name(e){return e.tagName+' '+(e.getAttribute('title')||e.textContent).slice(0,70);}
+var heads=[].slice.call(document.querySelectorAll('#heatmap th.vname span'));
+var scen=[].slice.call(document.querySelectorAll('#heatmap th.scen'));
+heads.forEach(function(h,i){var a=T(h);
+  if(!inside(a,R(h.parentElement)))bad.push('header outside its cell: '+name(h.parentElement));
+  if(h.scrollHeight>h.clientHeight+1||h.scrollWidth>h.clientWidth+1)bad.push('header clipped: '+name(h));
+  heads.slice(i+1).forEach(function(g){if(cut(a,T(g)))bad.push('headers overlap: '+name(h)+' / '+name(g));});
+  scen.forEach(function(s){if(cut(a,T(s)))bad.push('header over a scenario title: '+name(h)+' / '+name(s));});});
+document.querySelectorAll('th,td,li,h1,h2,h3,h4,figcaption,figure,section,.legend span,.verdict,.hm-wrap')
+  .forEach(function(e){if(e.scrollWidth>e.clientWidth+1)bad.push('clipped or spilling: '+name(e));});
+var figs=[].slice.call(document.querySelectorAll('figure'));
+figs.forEach(function(f,i){figs.slice(i+1).forEach(function(g){if(cut(R(f),R(g)))
+  bad.push('charts overlap: '+name(f.firstChild)+' / '+name(g.firstChild));});});
+document.querySelectorAll('svg[role=img]').forEach(function(s){var b=R(s);s.querySelectorAll('text').forEach(
+  function(t){if(!inside(R(t),b))bad.push('chart text outside its chart: '+t.textContent);});});
+var out=document.createElement('pre');out.id='layout';out.textContent=JSON.stringify({width:innerWidth,
+  height:document.documentElement.scrollHeight,headers:heads.length,scenarios:scen.length,
+  header_height:heads.length?R(heads[0].parentElement).height:0,problems:bad});
+document.body.appendChild(out);});"""
+
+
+class Pre(HTMLParser):
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.inside, self.text = False, ""
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.inside = self.inside or (tag == "pre" and ("id", "layout") in attrs)
+
+    def handle_endtag(self, tag: str) -> None:
+        self.inside = self.inside and tag != "pre"
+
+    def handle_data(self, data: str) -> None:
+        self.text += data if self.inside else ""
+
+
+@pytest.mark.parametrize("width", [1280, 1920])
+def test_in_chromium_layout_at_width(wide_map, eval_map, tmp_path, width):
+    """The report as the issue's screenshots saw it, laid out by Chromium: headers fit their cells and
+    overlap neither each other nor the scenario titles, no text is clipped, no chart overlaps another."""
+    huge = "make_fx[detach=alias,tracing_mode=symbolic,pre_dispatch=true]+compile:aot_eager_decomp_partition"
+    cases = [("wide", wide_map), ("huge-name", renamed(wide_map, LONG, huge))]
+    cases += [("all-failed", eval_map)] * (width == 1280)  # one variant, every run failed
+    for label, fm in cases:
+        page = tmp_path / f"report-{label}.html"
+        page.write_text(render_html(fm), encoding="utf-8")
+        checked = tmp_path / f"report-{label}-layout.html"
+        checked.write_text(page.read_text().replace("</body>", f"<script>{LAYOUT_JS}</script></body>"))
+        dumped = browse(checked, tmp_path / f"profile-{label}", "--dump-dom", f"--window-size={width},1200")
+        assert Dom(dumped).ids["heatmap"].get("data-ready") == "1"
+        layout = json.loads(Pre(dumped).text)
+        assert layout["width"] == width
+        assert layout["headers"] == len(fm.variants) * len(fm.scenarios) and layout["scenarios"] == 4
+        if fm is not eval_map:
+            assert 150 < layout["header_height"] < 400  # grown to the longest name, no more
+        assert layout["problems"] == [], layout["problems"]
+        shot = tmp_path / f"report-{label}-{width}.png"
+        height = min(layout["height"] + 40, 12000)
+        browse(
+            page,
+            tmp_path / f"profile-shot-{label}",
+            f"--screenshot={shot}",
+            f"--window-size={width},{height}",
+        )
+        assert shot.stat().st_size > 50_000
+        ARTIFACTS.mkdir(exist_ok=True)
+        shutil.copy(shot, ARTIFACTS / shot.name)
+        print(f"screenshot: {shot} (copy: {ARTIFACTS / shot.name})")
+
+
+def test_curves_of_a_variant_that_never_ran_and_a_single_value(makefx_map):
+    training = {
+        "curves": {"eager": {"energy": [1.0]}, "broken": {"energy": []}, "nan": {"energy": ["nan", "nan"]}},
+        "verdicts": {"eager": {"energy": "flat"}, "broken": {"energy": "error"}, "nan": {"energy": "error"}},
+        "errors": {"broken": {"energy": "RuntimeError: build: boom"}},
+    }
+    fm = dataclasses.replace(makefx_map, checks={"training": training})
+    page = render_html(fm)
+    assert page == render_html(fm)  # deterministic
+    chart = section_of(page, "checks").split('id="training"')[1]
+    assert chart.count('data-kind="failed"') == 2  # an x for each, labelled, even with no point to end on
+    assert "broken failed</text>" in chart and "nan failed</text>" in chart
+    assert "broken: failed after 0 value(s) — RuntimeError: build: boom" in chart
+    assert "nan: failed after 0 value(s) — the check marked it as an error" in chart
+    assert "eager: flat" in chart and chart.count("<polyline") == 1  # one point: a marker on its line
+    assert re.search(r'<circle cx="[\d.]+" cy="[\d.]+" r="4.0" fill="#2563eb"', chart)

@@ -9,6 +9,7 @@ as text.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -24,8 +25,13 @@ LEGEND = (
     ("nan", "NaN"), ("inf", "infinity"), ("failed", "run failed"),
     ("wrong", "wrong value vs reference"), ("missing", "missing vs reference"), ("extra", "extra vs reference"),
 )  # fmt: skip
-PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f")
-BARS = ("#2563eb", "#0d9488", "#7c3aed", "#ca8a04", "#db2777")
+# One style per variant, the same in every chart: a colour (red is kept for failures), a dash pattern
+# and a marker, so that curves or bars that coincide stay distinguishable, also in greyscale.
+PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#be185d", "#4d7c0f", "#854d0e")
+DASHES = ("", "8 4", "2 3", "10 3 2 3", "5 2", "1 3", "12 3 3 3", "4 4")
+MARKERS = ("circle", "square", "triangle", "diamond", "down", "plus")
+FAIL = "#b91c1c"
+HEADER_CHARS = 44  # a longer variant name is shortened in the heat map's column header (full name on hover)
 
 CSS = """
 *{box-sizing:border-box}body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1f2937;margin:0;background:#f3f4f6}
@@ -41,12 +47,12 @@ dl{display:grid;grid-template-columns:70px 1fr;gap:3px 10px;margin:6px 0}dt{colo
 pre{margin:4px 0 0;padding:6px 9px;background:#111827;color:#e5e7eb;border-radius:4px;white-space:pre-wrap;font-size:12.5px}
 code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}ul{margin:8px 0;padding-left:20px}
 table{border-collapse:collapse}td,th{padding:4px 10px;text-align:left}.grid td,.grid th{border-bottom:1px solid #e5e7eb}
-.grid th{background:#f9fafb;font-weight:600}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
+.grid th{background:#f9fafb;font-weight:600}h3,.sub{overflow-wrap:anywhere}.num{text-align:right;font-variant-numeric:tabular-nums}.bad{color:#b91c1c;font-weight:600}
 .hm-wrap{overflow-x:auto}.heatmap th,.heatmap td{padding:0}.first{border-left:3px solid #fff}.frozen{color:#9ca3af}
 .heatmap .pname{padding:1px 12px 1px 0;font:12.5px ui-monospace,monospace;white-space:nowrap}
-.heatmap .scen{text-align:center;padding:2px 3px;border-bottom:1px solid #d1d5db;border-left:3px solid #fff;font-size:12.5px}
-.heatmap .vname{vertical-align:bottom;padding:4px 0;font-weight:400;font-size:12px}
-.heatmap .vname span{writing-mode:vertical-rl;transform:rotate(180deg);display:inline-block;max-height:190px}
+.heatmap .scen{text-align:center;padding:2px 3px;border-bottom:1px solid #d1d5db;border-left:3px solid #fff;font-size:12.5px;overflow-wrap:anywhere}
+.heatmap .vname{vertical-align:bottom;text-align:center;padding:6px 0 4px;font-weight:400;font-size:12px}
+.heatmap .vname span{writing-mode:vertical-rl;transform:rotate(180deg);display:inline-block;white-space:nowrap;line-height:1.25}
 .hm-cell{width:var(--cw);min-width:var(--cw);height:22px;text-align:center;font-size:12px;font-weight:700;color:#fff;border:1px solid #fff}
 .hm-cell:hover{outline:2px solid #111827}#hm-info{min-height:22px;font-size:13px;margin:6px 0;color:#374151}
 .k-nonzero{background:#16a34a}.k-zero{background:#93c5fd;color:#1e3a8a}.k-none{background:#e5e7eb}.k-nan{background:#7f1d1d}
@@ -55,8 +61,11 @@ table{border-collapse:collapse}td,th{padding:4px 10px;text-align:left}.grid td,.
 .k-absent{background:#fff;border:1px dashed #9ca3af}.dash{background:repeating-linear-gradient(90deg,var(--c) 0 5px,#fff 5px 8px)!important}
 .legend{display:flex;flex-wrap:wrap;gap:6px 18px;margin-top:10px;font-size:13px}
 .legend span.sw{display:inline-block;width:16px;height:14px;margin-right:5px;vertical-align:-2px;font-size:10px;text-align:center;
-color:#fff;font-weight:700;line-height:14px}.charts{display:flex;flex-wrap:wrap;gap:18px}figure{margin:0}
+color:#fff;font-weight:700;line-height:14px}.charts{display:flex;flex-wrap:wrap;gap:18px 28px;align-items:flex-start}
+figure{margin:0;max-width:100%;overflow-x:auto}figure .legend{margin-top:4px;gap:3px 14px;font-size:12.5px}
+.legend svg{vertical-align:-2px;margin-right:5px;flex:none}.legend.rows{flex-direction:column}.legend.rows>span{display:flex;align-items:baseline}.legend .failed,.failed{color:#b91c1c}.legend span{overflow-wrap:anywhere}
 figcaption{font-weight:600;margin-bottom:4px}svg text{font:11px system-ui,sans-serif;fill:#374151}svg .nf{fill:#b91c1c}li.in{margin-left:18px}
+.share{min-width:72px}.balance h4{margin:12px 0 4px;font-size:13.5px}.key{margin:4px 0;font-size:12.5px;color:#374151}
 """
 
 JS = """(function(){var hm=document.getElementById('heatmap'),info=document.getElementById('hm-info');
@@ -156,7 +165,7 @@ def _summary(fm: FlowMap) -> str:
     return _section(
         "Parameters reached per scenario",
         f'<p class="hint">non-zero gradient / trainable{esc(note)}</p>'
-        + _table(["scenario", *map(esc, fm.variant_names)], rows)
+        + _table(["scenario", *map(_breakable, fm.variant_names)], rows)
         + (f"<ul>{interp}</ul>" if interp else ""),
         "summary",
     )
@@ -178,12 +187,39 @@ def _diffs(fm: FlowMap) -> str:
                 for p, c in diffs.items()
             ]  # fmt: skip
             if rows:
-                header = ["parameter", esc(fm.reference), esc(v), "L1 ref", "L1", "rel. error", "verdict"]
-                blocks.append(f"<h3>{esc(s)}: {esc(fm.reference)} vs {esc(v)}</h3>" + _table(header, rows))
+                header = [
+                    "parameter",
+                    _breakable(fm.reference),
+                    _breakable(v),
+                    "L1 ref",
+                    "L1",
+                    "rel. error",
+                    "verdict",
+                ]
+                blocks.append(
+                    f"<h3>{esc(s)}: {_breakable(fm.reference)} vs {_breakable(v)}</h3>" + _table(header, rows)
+                )
     return _section("Per-parameter diff", "".join(blocks) or '<p class="hint">No cell differs.</p>', "diff")
 
 
 # ----- heat map --------------------------------------------------------------------------------
+
+
+def _breakable(name: str) -> str:
+    """``name`` escaped, with a line-break opportunity after each ``+ , [ :`` (a variant name has no
+    space: in a table header it would otherwise widen its column past the page)."""
+    out = esc(name)
+    for c in "+,[:":
+        out = out.replace(c, c + "<wbr>")
+    return out
+
+
+def _short(name: str, limit: int = HEADER_CHARS) -> str:
+    """``name`` shortened in the middle to ``limit`` characters (start and end tell variants apart)."""
+    if len(name) <= limit:
+        return name
+    head = (limit - 1) // 2
+    return name[:head] + "…" + name[len(name) - (limit - 1 - head) :]
 
 
 def _cell_attrs(fm: FlowMap, v: str, s: str, p: str) -> tuple[str, str, str, list[str]]:
@@ -210,11 +246,15 @@ def _cell_attrs(fm: FlowMap, v: str, s: str, p: str) -> tuple[str, str, str, lis
 def _heatmap(fm: FlowMap) -> str:
     nv = len(fm.variants)
     top = "".join(f'<th class="scen" colspan="{nv}">{esc(s)}</th>' for s in fm.scenario_names)
+    # Vertical text without wrapping: the header row is as tall as the longest (shortened) name, so a
+    # name can neither spill over the scenario titles above nor into the next column.
     names = "".join(
-        f'<th class="vname{" first" * (i == 0)}"><span>{esc(v)}</span></th>'
+        f'<th class="vname{" first" * (i == 0)}" title="{esc(v)}"><span>{esc(_short(v))}</span></th>'
         for _ in fm.scenarios
         for i, v in enumerate(fm.variant_names)
     )
+    shortened = [v for v in fm.variant_names if _short(v) != v]
+    key = "".join(f"<li><code>{esc(_short(v))}</code> = <code>{esc(v)}</code></li>" for v in shortened)
     rows = []
     for p in fm.parameters:
         label = esc(p.name) + ("" if p.requires_grad else ' <span class="frozen">(frozen)</span>')
@@ -236,12 +276,76 @@ def _heatmap(fm: FlowMap) -> str:
         '<div id="hm-info" class="hint">Hover a cell for its details.</div><div class="hm-wrap">'
         f'<table id="heatmap" class="heatmap" style="--cw:{max(30, 60 // nv)}px"><thead><tr><th rowspan="2"></th>'
         f"{top}</tr><tr>{names}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
-        f'<div class="legend">{legend}</div>',
+        f'<div class="legend">{legend}</div>'
+        + (f'<div class="key">shortened column names:<ul>{key}</ul></div>' if key else ""),
         "heatmap-section",
     )
 
 
 # ----- charts ----------------------------------------------------------------------------------
+
+
+def _styles(names: Sequence[str]) -> dict[str, tuple[str, str, str]]:
+    """(colour, dash pattern, marker) of each variant, by its place in ``names``."""
+    return {
+        v: (PALETTE[i % len(PALETTE)], DASHES[i % len(DASHES)], MARKERS[i % len(MARKERS)])
+        for i, v in enumerate(names)
+    }
+
+
+def _marker(shape: str, x: float, y: float, r: float, colour: str, extra: str = "") -> str:
+    """One point marker of ``shape`` centred on (x, y); ``extra`` is inserted as attributes."""
+    if shape == "circle":
+        return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r:.1f}" fill="{colour}"{extra}/>'
+    if shape == "square":
+        a = r * 0.9
+        return f'<rect x="{x - a:.1f}" y="{y - a:.1f}" width="{2 * a:.1f}" height="{2 * a:.1f}" fill="{colour}"{extra}/>'
+    if shape == "plus":
+        d = f"M{x - r:.1f} {y:.1f}H{x + r:.1f}M{x:.1f} {y - r:.1f}V{y + r:.1f}"
+        return f'<path d="{d}" stroke="{colour}" stroke-width="{max(r * 0.7, 1.5):.1f}"{extra}/>'
+    a = r * 1.15
+    corners = {
+        "triangle": ((x, y - a), (x - a, y + a * 0.75), (x + a, y + a * 0.75)),
+        "down": ((x, y + a), (x - a, y - a * 0.75), (x + a, y - a * 0.75)),
+        "diamond": ((x, y - a), (x + r, y), (x, y + a), (x - r, y)),
+    }[shape]
+    points = " ".join(f"{px:.1f},{py:.1f}" for px, py in corners)
+    return f'<polygon points="{points}" fill="{colour}"{extra}/>'
+
+
+def _cross(x: float, y: float, r: float, colour: str = FAIL, width: float = 2.0) -> str:
+    """An x drawn with lines (failed or missing), centred on (x, y)."""
+    d = f"M{x - r:.1f} {y - r:.1f}L{x + r:.1f} {y + r:.1f}M{x - r:.1f} {y + r:.1f}L{x + r:.1f} {y - r:.1f}"
+    return f'<path d="{d}" stroke="{colour}" stroke-width="{width:g}" fill="none"/>'
+
+
+def _swatch(style: tuple[str, str, str], line: bool = True) -> str:
+    """A legend swatch: the variant's line (with its dash pattern) and marker, or a bar of its colour."""
+    colour, dash, shape = style
+    if not line:
+        return f'<svg width="14" height="12" aria-hidden="true"><rect x="2" y="0" width="10" height="12" fill="{colour}"/></svg>'
+    dashes = f' stroke-dasharray="{dash}"' if dash else ""
+    return (
+        f'<svg width="34" height="12" aria-hidden="true"><line x1="1" x2="33" y1="6" y2="6" stroke="{colour}" '
+        f'stroke-width="2"{dashes}/>{_marker(shape, 17, 6, 3.5, colour)}</svg>'
+    )
+
+
+def _failed_swatch() -> str:
+    return f'<svg width="14" height="12" aria-hidden="true">{_cross(7, 6, 4.5)}</svg>'
+
+
+def _failed_bar(x: float, y: float, w: float, h: float, extra: str = "") -> str:
+    """A run that failed, where its bar would be: a grey bar of the plot's full height, outlined in dashes
+    (no pattern: a ``url(#...)`` fill would be the page's only ``url(``)."""
+    return (
+        f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:g}" height="{h:g}" fill="#b8bec8" stroke="#374151" '
+        f'stroke-width="1" stroke-dasharray="2 2"{extra}'
+    )
+
+
+def _failed_bar_swatch() -> str:
+    return f'<svg width="14" height="12" aria-hidden="true">{_failed_bar(3.5, 0.5, 7, 11)}/></svg>'
 
 
 def _log_range(values: list[float]) -> tuple[int, int]:
@@ -260,47 +364,108 @@ def _y_axis(lo: int, hi: int, x0: int, x1: int, y: Any) -> str:
     )
 
 
-def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int, colour: str) -> str:
-    """Bars of log10 L1 norm per trainable parameter in model order (zero/none left empty)."""
-    cells, params = fm.cells_of(fm.reference, scenario), fm.trainable
-    bw, left, top, ph, bottom = 24, 46, 10, 150, 130
-    w, y = left + bw * len(params) + 10, (lambda k: top + ph * (1 - (k - lo) / (hi - lo)))
+def _why(err: Any) -> str:
+    return f"{err.stage} {err.type}: {err.message}" if err else "no run recorded"
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int) -> str:
+    """Grouped bars of log10 L1 norm per trainable parameter in model order, one bar per variant: a run
+    that failed is a grey dashed bar, a gradient the reference has and a variant lost is a red x."""
+    params, names, styles = fm.trainable, fm.variant_names, _styles(fm.variant_names)
+    nv = len(names)
+    slot = max(4, min(18, 28 // nv))  # one bar's width
+    gw, left, top, ph, bottom = slot * nv + 6, 46, 14, 150, 130
+    w, y = left + gw * len(params) + 10, (lambda k: top + ph * (1 - (k - lo) / (hi - lo)))
+    base = top + ph
+    failed = {}
+    cells = {}
+    for v in names:
+        run = _run(fm, v, scenario)
+        if run is None or run.error is not None:
+            failed[v] = _why(run.error if run else fm.variant(v).error)
+        else:
+            cells[v] = fm.cells_of(v, scenario)
     parts = [_y_axis(lo, hi, left, w - 6, y)]
     for i, p in enumerate(params):
-        c, x = cells.get(p), left + i * bw
-        mid = x + bw / 2
-        status, norm = (c.status, c.norm) if c else ("absent", None)
-        tip = esc(f"{p}: {status}, L1 norm {_num(norm, '.4g')}")
-        if status == "nonzero" and norm and norm > 0:
-            yt = y(math.log10(norm))
-            parts.append(
-                f'<rect x="{x + 3}" y="{yt:.1f}" width="{bw - 6}" height="{top + ph - yt:.1f}" '
-                f'fill="{colour}"><title>{tip}</title></rect>'
-            )
-        elif status in ("nan", "inf"):
-            parts.append(f'<text x="{mid}" y="{top + 12}" class="nf" text-anchor="middle">{status}</text>')
+        x0 = left + i * gw + 3
+        for k, v in enumerate(names):
+            x = x0 + k * slot
+            mid = x + slot / 2
+            if v in failed:
+                tip = esc(f"{p} · {v}: run failed — {failed[v]}")
+                extra = f' data-variant="{esc(v)}" data-kind="failed"'
+                parts.append(f"{_failed_bar(x + 0.5, top, slot - 2, ph, extra)}><title>{tip}</title></rect>")
+                continue
+            c = cells[v].get(p)
+            status, norm, vd = (c.status, c.norm, c.verdict or "") if c else ("absent", None, "")
+            said = f", {vd} vs {fm.reference}" if vd and vd != "match" else ""
+            tip = esc(f"{p} · {v}: {status}, L1 norm {_num(norm, '.4g')}{said}")
+            if status == "nonzero" and norm and norm > 0:
+                yt = min(y(math.log10(norm)), base - 1)
+                outline = f' stroke="{FAIL}" stroke-width="1.5"' if vd == "wrong" else ""
+                parts.append(
+                    f'<rect x="{x:.1f}" y="{yt:.1f}" width="{slot - 1}" height="{base - yt:.1f}" '
+                    f'fill="{styles[v][0]}"{outline} data-variant="{esc(v)}" data-kind="bar"><title>{tip}</title></rect>'
+                )
+            elif status in ("nan", "inf"):
+                parts.append(
+                    f'<text x="{mid:.1f}" y="{top + 10}" class="nf" text-anchor="middle" data-variant="{esc(v)}" '
+                    f'data-kind="{status}"><title>{tip}</title>{SYMBOL[status]}</text>'
+                )
+            elif vd == "missing" or status == "absent":
+                r = 3.5
+                parts.append(
+                    f'<g data-variant="{esc(v)}" data-kind="missing"><title>{tip}</title>'
+                    f"{_cross(mid - 0.5, base - r - 2, r, FAIL, 2)}</g>"
+                )
+        centre = left + i * gw + gw / 2
         short = p if len(p) <= 26 else "…" + p[-25:]
         parts.append(
-            f'<text transform="translate({mid + 4},{top + ph + 8}) rotate(-55)" text-anchor="end">'
-            f"<title>{tip}</title>{esc(short)}</text>"
+            f'<text transform="translate({centre + 4:.1f},{base + 8}) rotate(-55)" text-anchor="end">'
+            f"<title>{esc(p)}</title>{esc(short)}</text>"
         )
-    parts.append(f'<line x1="{left}" x2="{w - 6}" y1="{top + ph}" y2="{top + ph}" stroke="#6b7280"/>')
-    svg = f'<svg width="{w}" height="{top + ph + bottom}" role="img">{"".join(parts)}</svg>'
-    return f"<figure><figcaption>{esc(scenario)} ({esc(fm.reference)})</figcaption>{svg}</figure>"
+    parts.append(f'<line x1="{left}" x2="{w - 6}" y1="{base}" y2="{base}" stroke="#6b7280"/>')
+    svg = f'<svg width="{w}" height="{base + bottom}" role="img">{"".join(parts)}</svg>'
+    notes = "".join(
+        f'<span class="failed" title="{esc(why)}">{_failed_bar_swatch()}{esc(v)}: run failed — {esc(_clip(why))}</span>'
+        for v, why in failed.items()
+    )
+    legend = f'<div class="legend">{notes}</div>' if notes else ""
+    return f'<figure style="max-width:{w}px"><figcaption>{esc(scenario)}</figcaption>{svg}{legend}</figure>'
 
 
 def _norm_charts(fm: FlowMap) -> str:
-    singles = [s for s in fm.scenarios if len(s.terms) == 1]
-    ok = [s.name for s in singles if (r := _run(fm, fm.reference, s.name)) and r.error is None]
+    singles = [s.name for s in fm.scenarios if len(s.terms) == 1]
     if not singles:
         return ""
-    norms = [c.norm for s in ok for c in fm.cells_of(fm.reference, s).values() if c.norm is not None]
+    norms = [
+        c.norm
+        for v in fm.variant_names
+        for s in singles
+        if (r := _run(fm, v, s)) and r.error is None
+        for c in fm.cells_of(v, s).values()
+        if c.norm is not None
+    ]
     lo, hi = _log_range(norms)
-    charts = [_norm_chart(fm, s, lo, hi, BARS[i % len(BARS)]) for i, s in enumerate(ok)]
-    failed = "".join(f"<li>{esc(s.name)}: the reference run failed</li>" for s in singles if s.name not in ok)
+    charts = [_norm_chart(fm, s, lo, hi) for s in singles]
+    styles = _styles(fm.variant_names)
+    key = [f"<span>{_swatch(styles[v], line=False)}{esc(v)}</span>" for v in fm.variant_names]
+    if len(fm.variants) > 1:
+        key.append(
+            f"<span>{_failed_swatch()}gradient lost: {esc(fm.reference)} has one, this variant none</span>"
+        )
+        key.append(f'<span><svg width="14" height="12" aria-hidden="true"><rect x="2" y="1" width="10" height="10" '
+                   f'fill="#fff" stroke="{FAIL}" stroke-width="1.5"/></svg>wrong value vs {esc(fm.reference)}</span>')  # fmt: skip
+    if any((r := _run(fm, v, s)) is None or r.error is not None for v in fm.variant_names for s in singles):
+        key.append(f"<span>{_failed_bar_swatch()}run failed</span>")
+    key.append("<span>N / ∞: NaN / infinite gradient; an empty slot: no gradient</span>")
     return _section(
         "Gradient flow per term: log10 L1 norm per parameter, in model order",
-        f'<div class="charts">{"".join(charts)}</div>' + (f"<ul>{failed}</ul>" if failed else ""),
+        f'<div class="legend" style="margin:0 0 10px">{"".join(key)}</div><div class="charts">{"".join(charts)}</div>',
         "norms",
     )
 
@@ -313,56 +478,208 @@ def _floats(xs: Any) -> list[float | None]:
     return out
 
 
-def _curve_chart(term: str, series: dict[str, list[float | None]]) -> str:
-    """Polylines of each variant's loss curve on a log scale; gaps where a value is not positive."""
-    values = [x for xs in series.values() for x in xs if x is not None]
-    lo, hi = _log_range(values)
-    n = max((len(xs) for xs in series.values()), default=1)
-    left, top, pw, ph = 46, 10, 320, 160
+def _curve_axis(values: list[float]) -> tuple[float, float, list[tuple[float, str]]]:
+    """(log10 low, log10 high, ticks) of a loss chart: decades over a wide range; 1, 2, 5 times a power
+    of ten (or finer) over a narrow one, so that a slowly decreasing curve is not a flat line."""
+    logs = [math.log10(x) for x in values if x > 0 and math.isfinite(x)]
+    if not logs or max(logs) - min(logs) >= 3:
+        lo, hi = _log_range(values)
+        step = max(1, math.ceil((hi - lo) / 8))
+        return lo, hi, [(k, f"1e{k}") for k in range(lo, hi + 1, step)]
+    a, b = min(logs), max(logs)
+    for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9), tuple(1 + i / 10 for i in range(90))):
+        nice = [math.log10(m) + k for k in range(math.floor(a) - 1, math.ceil(b) + 1) for m in mantissas]
+        low = max((t for t in nice if t <= a + 1e-12), default=a)
+        high = min((t for t in nice if t >= b - 1e-12), default=b)
+        ticks = [t for t in nice if low - 1e-12 <= t <= high + 1e-12]
+        if len(ticks) >= 3 or mantissas[-1] > 10:
+            break
+    if high - low < 1e-9:  # one value: a decade around it
+        low, high = low - 0.5, high + 0.5
+        ticks = [low, (low + high) / 2, high]
+    if len(ticks) > 9:
+        ticks = ticks[:: math.ceil(len(ticks) / 8)]
+    return low, high, [(t, f"{10**t:.3g}") for t in ticks]
+
+
+def _curve_chart(
+    term: str, series: list[tuple[str, list[float | None], str, str | None]], styles: Any
+) -> str:
+    """Each variant's loss curve on a log scale, in its colour, dash pattern and marker; gaps where a value
+    is not positive. Curves that coincide on screen are drawn wider underneath and their markers side by
+    side, so each stays visible; a variant that failed ends in a red x labelled "failed" (at the top left
+    when it has no value at all), and its legend entry says why."""
+    values = [x for _, xs, _, _ in series for x in xs if x is not None]
+    lo, hi, ticks = _curve_axis(values)
+    n = max((len(xs) for _, xs, _, _ in series), default=1)
+    left, top, pw, ph = 52, 10, 340, 160
     y = lambda k: top + ph * (1 - (k - lo) / (hi - lo))  # noqa: E731
-    steps = f'<text x="{left}" y="{top + ph + 15}">step 0</text><text x="{left + pw}" y="{top + ph + 15}"'
-    parts, legend = [_y_axis(lo, hi, left, left + pw, y), f'{steps} text-anchor="end">{n - 1}</text>'], []
-    for i, (v, xs) in enumerate(series.items()):
-        colour, segs, seg = PALETTE[i % len(PALETTE)], [], []
-        dash = ' stroke-dasharray="7 4"' * (i > 0)  # later variants dashed: identical curves stay visible
-        for j, x in enumerate(xs):
-            if x is not None and x > 0 and math.isfinite(x):
-                seg.append(f"{left + pw * j / max(n - 1, 1):.1f},{y(math.log10(x)):.1f}")
+    parts = [
+        f'<line x1="{left}" x2="{left + pw}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#e5e7eb"/>'
+        f'<text x="{left - 4}" y="{y(t) + 4:.1f}" text-anchor="end">{label}</text>'
+        for t, label in ticks
+    ]
+    parts.append(
+        f'<text x="{left}" y="{top + ph + 15}">step 0</text>'
+        f'<text x="{left + pw}" y="{top + ph + 15}" text-anchor="end">{n - 1}</text>'
+    )
+    points = [
+        {j: (left + 12 + (pw - 24) * j / max(n - 1, 1), y(math.log10(x))) for j, x in enumerate(xs)
+         if x is not None and x > 0 and math.isfinite(x)}
+        for _, xs, _, _ in series
+    ]  # fmt: skip
+
+    def coincide(a: dict[int, tuple[float, float]], b: dict[int, tuple[float, float]]) -> bool:
+        return bool(a) and bool(b) and all(abs(a[j][1] - b[j][1]) < 3 for j in a.keys() & b.keys())
+
+    ns, legend, fails = len(series), [], []
+    for i, (v, xs, said, error) in enumerate(series):
+        colour, dash, shape = styles(v)
+        under = sum(len(points[j]) > 1 and coincide(points[i], points[j]) for j in range(i + 1, ns))
+        crowded = any(coincide(points[i], points[j]) for j in range(ns) if j != i)
+        width, r = 2 + 2.5 * under, 4.0
+        dx = (i - (ns - 1) / 2) * min(6.0, 36 / ns) if crowded else 0.0
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
+        segs, seg = [], []
+        for j in range(len(xs)):
+            if j in points[i]:
+                seg.append("{:.1f},{:.1f}".format(*points[i][j]))
             elif seg:
                 segs, seg = [*segs, seg], []
         for pts in (p for p in [*segs, seg] if p):
             parts.append(
-                f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} points="{" ".join(pts)}"/>'
+                f'<polyline fill="none" stroke="{colour}" stroke-width="{width:g}"{dashes} '
+                f'points="{" ".join(pts)}" data-variant="{esc(v)}"/>'
             )
-        swatch = f'<span class="sw{" dash" * (i > 0)}" style="background:{colour};--c:{colour}"></span>'
-        legend.append(f"<span>{swatch}{esc(v)}</span>")
-    svg = f'<svg width="{left + pw + 10}" height="{top + ph + 20}" role="img">{"".join(parts)}</svg>'
-    return f'<figure><figcaption>{esc(term)}</figcaption>{svg}<div class="legend">{"".join(legend)}</div></figure>'
+        parts.extend(
+            _marker(shape, px + dx, py, r, colour, ' stroke="#fff" stroke-width="0.8"')
+            for px, py in points[i].values()
+        )
+        same = next((series[j][0] for j in range(i) if series[j][1] == xs and xs), None)
+        tail = f" (same values as {same})" if same else ""
+        swatch = _swatch((colour, dash, shape))
+        if error is not None or said == "error":
+            px, py = points[i][max(points[i])] if points[i] else (left + 8, top + 8)
+            ly = py - 9 - 13 * len(fails)
+            anchor = "end" if px > left + pw / 2 else "start"
+            lx = px - 9 if anchor == "end" else px + 9
+            fails.append(
+                f'<g data-variant="{esc(v)}" data-kind="failed">{_cross(px + dx, py, 5.5)}<text x="{lx:.1f}" '
+                f'y="{max(ly, top + 9):.1f}" class="nf" text-anchor="{anchor}">{esc(_short(v, 30))} failed</text></g>'
+            )
+            why = error or "the check marked it as an error"
+            label = f"{v}: failed after {len(points[i])} value(s) — {why}"
+            legend.append(
+                f'<span class="failed" title="{esc(label)}">{swatch}<span>{esc(_clip(label))}</span></span>'
+            )
+        else:
+            text = f"{v}: {said}" if said else v
+            legend.append(f"<span>{swatch}<span>{esc(text + tail)}</span></span>")
+    w = left + pw + 12
+    svg = f'<svg width="{w}" height="{top + ph + 20}" role="img">{"".join(parts + fails)}</svg>'
+    return (
+        f'<figure style="max-width:{max(w, 420)}px"><figcaption>{esc(term)}</figcaption>{svg}'
+        f'<div class="legend rows">{"".join(legend)}</div></figure>'
+    )
 
 
-def _curves(check: dict[str, Any]) -> str:
+def _curves(check: dict[str, Any], variants: Sequence[str] = ()) -> str:
     """Loss curves of the training check, one chart per term, when it recorded ``curves``."""
-    curves, verdicts = check.get("curves"), check.get("verdicts")
-    by_term: dict[str, dict[str, list[float | None]]] = {}
+    curves, verdicts, errors = check.get("curves"), check.get("verdicts"), check.get("errors")
+    by_term: dict[str, list[tuple[str, list[float | None], str, str | None]]] = {}
+    names = list(variants)
     for v, terms in curves.items() if isinstance(curves, dict) else ():
         said = verdicts.get(v) if isinstance(verdicts, dict) and isinstance(verdicts.get(v), dict) else {}
+        why = errors.get(v) if isinstance(errors, dict) and isinstance(errors.get(v), dict) else {}
+        names += [str(v)] * (str(v) not in names)
         for t, xs in terms.items() if isinstance(terms, dict) else ():
-            by_term.setdefault(str(t), {})[f"{v}: {said[t]}" if t in said else str(v)] = _floats(xs)
-    charts = "".join(_curve_chart(t, series) for t, series in by_term.items())
+            error = str(why[t]) if t in why else None
+            by_term.setdefault(str(t), []).append((str(v), _floats(xs), str(said.get(t, "")), error))
+    styles = _styles(names)
+    charts = "".join(_curve_chart(t, series, styles.__getitem__) for t, series in by_term.items())
     head = "<h3>Training: loss per term (log scale)</h3>"
     return f'{head}<div class="charts" id="training">{charts}</div>' if charts else ""
 
 
-def _checks(fm: FlowMap) -> str:
-    """Verification checks: the terminal's check lines, and the training loss curves."""
+def _balance(b: Any) -> str:
+    """The balance check as tables: each group's gradient norm shared out by term, the conflicting
+    pairs, and one optimizer step per term against the joint one."""
+    if not isinstance(b, dict) or b.get("error"):
+        return ""
     try:
-        lines = check_lines(fm)
+        groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
+        drowned = {(d["term"], d["group"]): d for d in b.get("dominated") or ()}
+        rows = []
+        for term, shares in b["shares"].items():
+            cells = [f"<code>{esc(term)}</code>"]
+            for g in groups:
+                norm = b["norms"][term][g]
+                if norm <= 0:
+                    cells.append('<td class="num share">-</td>')
+                    continue
+                d, pct = drowned.get((term, g)), 100 * shares[g]
+                note = f"; drowned by {d['by']}" if d else ""
+                bar = f"background:linear-gradient(#60a5fa,#60a5fa) no-repeat left bottom/{pct:.1f}% 4px"
+                cells.append(
+                    f'<td class="num share{" bad" * bool(d)}" style="{bar}" '
+                    f'title="{esc(f"{term} in {g}: L1 norm {norm:.4g}, {pct:.1f}% of the group{note}")}">'
+                    f"{pct:.1f}%</td>"
+                )
+            rows.append(cells)
+        parts = [
+            "<h4>Share of each group's gradient norm, by term (at the step's prefactors)</h4>",
+            _table(["term", *(f"<code>{esc(g)}</code>" for g in groups)], rows),
+        ]
+        conflicts = b.get("conflicts") or []
+        if conflicts:
+            cgroups = sorted({g for c in conflicts for g in c.get("groups", {})}, key=groups.index)
+            crow = [
+                [esc(" vs ".join(map(str, c["terms"]))),
+                 f'<td class="num{" bad" * (c["cosine"] < 0)}">{c["cosine"]:.2f}</td>',
+                 *(f'<td class="num">{c["groups"][g]:.2f}</td>' if g in c.get("groups", {}) else "-" for g in cgroups)]
+                for c in conflicts
+            ]  # fmt: skip
+            parts += [
+                "<h4>Cosine between the terms' gradients (negative: they pull apart)</h4>",
+                _table(["terms", "all", *(f"<code>{esc(g)}</code>" for g in cgroups)], crow),
+            ]
+        update = b.get("effective_update") or {}
+        if update.get("terms"):
+            urows = [
+                [f"<code>{esc(t)}</code>", f'<td class="num">{u["cosine_with_joint"]:.2f}</td>',
+                 f'<td class="num">{_num(u.get("norm_alone"))}</td>', f'<td class="num">{_num(u.get("norm_joint"))}</td>']
+                for t, u in update["terms"].items()
+            ]  # fmt: skip
+            parts += [
+                f"<h4>One {esc(update.get('optimizer', ''))} step: each term alone vs all together</h4>",
+                _table(["term", "cosine with the joint step", "|step| alone", "|step| joint"], urows),
+            ]
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+        return ""  # a balance dict of another shape: its lines stay in the list above
+    errors = "".join(
+        f"<li>balance ({esc(part)}): could not run — {esc(error)}</li>"
+        for part, error in (b.get("errors") or {}).items()
+    )
+    return (
+        '<div class="balance" id="balance"><h3>Balance</h3>'
+        + "".join(parts)
+        + (f"<ul>{errors}</ul>" if errors else "")
+        + "</div>"
+    )
+
+
+def _checks(fm: FlowMap) -> str:
+    """Verification checks: the terminal's check lines, the balance tables and the training curves."""
+    balance = _balance(fm.checks.get("balance"))
+    rest = {k: x for k, x in fm.checks.items() if k != "balance"} if balance else fm.checks
+    try:
+        lines = check_lines(dataclasses.replace(fm, checks=rest) if balance else fm)
     except (KeyError, TypeError, AttributeError, ValueError):  # a checks dict of another shape: curves only
         lines = []
     training = fm.checks.get("training")
-    charts = _curves(training) if isinstance(training, dict) else ""
+    charts = _curves(training, fm.variant_names) if isinstance(training, dict) else ""
     items = "".join(f'<li class="{"in" * x.startswith(" ")}">{esc(x.strip())}</li>' for x in lines)
-    content = (f"<ul>{items}</ul>" if items else "") + charts
+    content = (f"<ul>{items}</ul>" if items else "") + balance + charts
     return _section("Checks", content, "checks") if content else ""
 
 
@@ -377,7 +694,7 @@ def _environment(fm: FlowMap) -> str:
     ]  # fmt: skip
     kv = _table([], [[f"<b>{esc(k)}</b>", esc(x)] for k, x in facts])
     rows = [
-        [f"<code>{esc(v.name)}</code>", esc(", ".join(f"{k}={x}" for k, x in v.knobs.items()) or "-"),
+        [f"<code>{_breakable(v.name)}</code>", esc(", ".join(f"{k}={x}" for k, x in v.knobs.items()) or "-"),
          esc(v.capture), esc(v.backend or "-"), esc(_num(v.compile_count, "g")), esc(_num(v.graphs, "g")),
          esc(_num(v.graph_breaks, "g")), f"{v.seconds:.1f}s",
          esc(f"{v.error.stage} {v.error.type}: {v.error.message}" if v.error else "-")]
