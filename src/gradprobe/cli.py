@@ -75,6 +75,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bisect failing variants' knobs and locate the break in the model (extra traces and compiles)",
     )
+    p.add_argument(
+        "--compiler-bisect",
+        action="store_true",
+        help="with --diagnose: when a backend (aot_eager_decomp_partition, inductor) changes the gradients, let "
+        "torch's CompilerBisector name the pass, decomposition or lowering (a rebuild and compile per trial)",
+    )
 
 
 def _report_options(p: argparse.ArgumentParser) -> None:
@@ -541,7 +547,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write(f"{bug.id.ljust(width)}  {bug.description} (variants: {bug.variants})\n")
             return EXIT_OK
         # One reporter for the whole command: loading a trainer's model can take as long as probing it.
-        with reporting(not args.quiet):
+        from .evidence import compiler_passes
+
+        with reporting(not args.quiet), compiler_passes.enabled(args.compiler_bisect):
             fm = _probe_command(args, checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:

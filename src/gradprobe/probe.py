@@ -19,6 +19,7 @@ from .compare import consistency_tolerance, noise_pairs, tolerance, verdict
 from .declarations import check_against, normalized_expect
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
+from .evidence import compiler_passes
 from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
@@ -41,6 +42,7 @@ def probe(
     diagnose: bool = False,
     checks: Sequence[str] = (),
     progress: bool = True,
+    compiler_bisect: bool = False,
     **spec_fields: Any,
 ) -> FlowMap:
     """Measure which parameters each loss term reaches, alone and all together, in each variant.
@@ -56,6 +58,9 @@ def probe(
     (a few optimizer steps per term on a copy); value consistency between variants is always checked.
     ``progress``: show on stderr which variant and stage is running once the probe has run a second (a
     live line on a terminal, plain lines otherwise); ``False`` keeps it silent.
+    ``compiler_bisect`` (with ``diagnose``): when the backend ladder ends at ``aot_eager_decomp_partition``
+    or ``inductor``, hand the path to torch's ``CompilerBisector`` to name the pass, decomposition or
+    lowering (one rebuild and compile per trial, caches off: opt-in; its trials and time are reported).
     Returns the flow map; the model's parameters, ``.grad``, ``requires_grad`` flags, train/eval
     modes, buffers and RNG state are as they were.
 
@@ -79,7 +84,7 @@ def probe(
         spec = model
     else:
         spec = ProbeSpec(model=model, step=step, batch=batch, **spec_fields)
-    with reporting(progress):
+    with reporting(progress), compiler_passes.enabled(compiler_bisect):
         return run_probe(
             spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose, tuple(checks)
         )

@@ -201,18 +201,20 @@ def probe_trainer(
     diagnose: bool = False,
     checks: Sequence[str] = (),
     progress: bool = True,
+    compiler_bisect: bool = False,
     **spec_fields: Any,
 ) -> FlowMap:
     """Probe the trainer's configurations against its reference (first) configuration.
 
-    ``progress``: as in ``probe()`` (which configuration and stage runs, on stderr).
+    ``progress``, ``compiler_bisect``: as in ``probe()``.
 
     >>> # fm = probe_trainer(DeepmdAdapter.from_config(config), diagnose=True); print(render(fm))
     """
+    from .evidence import compiler_passes
     from .probe import run_probe
     from .progress import reporting, stage
 
-    with reporting(progress):
+    with reporting(progress), compiler_passes.enabled(compiler_bisect):
         with stage("the trainer's model and batch"):
             variants = trainer_variants(adapter, configurations, knobs)
             spec = trainer_spec(adapter, **spec_fields)

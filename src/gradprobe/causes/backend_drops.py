@@ -6,6 +6,7 @@ a rung that raises is another cause), and measured differences in the path itsel
 
 from __future__ import annotations
 
+from ..evidence.compiler_passes import op_name
 from ..flowmap import Finding, FlowMap
 from .common import differing, runs_of
 
@@ -36,6 +37,15 @@ def detect(fm: FlowMap) -> list[Finding]:
             continue
         lost = sorted({p for s in bad for p, c in fm.differences(v, s).items()})
         last = culprit.get("last_good")
+        passes = (b.get("compiler_bisect") or {}).get("result")
+        inside = ""
+        if passes and passes.get("subsystem"):
+            op = op_name(passes.get("debug_info"))
+            inside = (
+                f"; torch's compiler bisector: {passes['backend']}'s {passes['subsystem']}"
+                + (f" #{passes['bisect_number']}" if passes.get("bisect_number") else "")
+                + (f" ({op})" if op else "")
+            )
         findings.append(
             Finding(
                 CAUSE,
@@ -47,6 +57,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                     else f"backend {culprit['backend']} changes the gradients of {v}: {', '.join(bad)} differ from "
                     f"{fm.reference} ({', '.join(lost[:6])}); the traced graph without it is right"
                     + (f", {last} is right too" if last else "")
+                    + inside
                 ),
                 evidence={"variant": v, "runs": runs_of(v, bad), "bisection": b, "parameters": lost},
                 location={"variant": v, "backend": culprit["backend"]},
@@ -55,7 +66,18 @@ def detect(fm: FlowMap) -> list[Finding]:
                     if last
                     else "use another backend"
                 )
-                + "; hand the graph to torch._inductor.compiler_bisector (inductor) or bisect the backend's passes",
+                + (
+                    f"{inside}: keep that pass/decomposition out (its config, or the op outside the compiled region)"
+                    + (
+                        "; a random op draws another random stream there, which is not wrong arithmetic: "
+                        "compare with the op made deterministic (eval mode, p=0) before changing the backend"
+                        if any(w in inside for w in ("dropout", "rand", "bernoulli"))
+                        else ""
+                    )
+                    if inside
+                    else "; name the pass inside the backend with compiler_bisect=True (--compiler-bisect: "
+                    "torch's CompilerBisector, one rebuild per trial)"
+                ),
             )
         )
     return findings

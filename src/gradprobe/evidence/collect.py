@@ -253,8 +253,30 @@ def bisect_failing(
                 ", differs from the reference" if bad else ", matches the reference"
             )
 
-        out.append(bisect(x.variant, failing[:1], check, model_training).to_dict())
+        found = bisect(x.variant, failing[:1], check, model_training).to_dict()
+        _hand_to_compiler_bisector(found, x.variant, check)
+        out.append(found)
     return out
+
+
+def _hand_to_compiler_bisector(found: dict[str, Any], failing: VariantSpec, check: Any) -> None:
+    """Opt-in (``compiler_bisect=True``): when the backend ladder ends at a backend with subsystems,
+    torch's CompilerBisector names the pass, decomposition or lowering inside it."""
+    from . import compiler_passes
+
+    culprit = found.get("culprit") or {}
+    backend = culprit.get("backend")
+    if not (
+        compiler_passes.wanted()
+        and culprit.get("ladder")
+        and not found.get("not_overridable")
+        and (backend in compiler_passes.WITH_SUBSYSTEMS or backend == "the path's own backend")
+        and compiler_passes.available()
+    ):
+        return
+    passes = compiler_passes.bisect_passes(failing.name, lambda: check(failing)[0])
+    found["compiler_bisect"] = passes
+    found["summary"] = f"{found['summary']}; {compiler_passes.describe(passes)}"
 
 
 def locate_nonfinite(
