@@ -49,8 +49,24 @@ def _next_measured(fm: FlowMap, variant: str) -> str | None:
             if not errors:
                 return f"measured: {other.name} (donation off) runs"
             e = errors[0]
-            return f"measured: {other.name} (donation off) then fails at {e.stage}: {e.type}: {e.message}"
+            return (
+                f"measured: {other.name} (donation off) then fails at {e.stage} with {named(e)}: {e.type}: "
+                f"{e.message}"
+            )
     return None
+
+
+def named(error: RunError) -> str:
+    """The catalogue's name for what donation off exposed."""
+    from . import create_graph_strides, dynamo_internal
+
+    if "double backward" in error.message:
+        return "double-backward-unsupported"
+    if create_graph_strides.matches(error):
+        return create_graph_strides.CAUSE
+    if dynamo_internal.matches(error):
+        return dynamo_internal.CAUSE
+    return "another failure"
 
 
 def detect(fm: FlowMap) -> list[Finding]:

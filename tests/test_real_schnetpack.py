@@ -1,0 +1,87 @@
+"""SchNetPack 2.1 probed as its users run it (issue 16): the model compiled alone trains the energy and
+names the double backward of forces and stress; make_fx names SchNetPack's own line
+(``int(idx_m[-1])``). SchNetPack has no compile path of its own to compare. Skips without schnetpack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# torch 2.13 renamed torch.utils.data.dataloader.T_co to _T_co; SchNetPack 2.1 still imports the old
+# name. Give it the alias here (the test's workaround; the package is not patched).
+import torch.utils.data.dataloader as _dataloader
+
+if not hasattr(_dataloader, "T_co"):
+    _dataloader.T_co = _dataloader._T_co  # type: ignore[attr-defined]
+
+spk = pytest.importorskip("schnetpack")
+
+import gradprobe  # noqa: E402
+
+pytestmark = pytest.mark.real_packages
+
+
+def _system(seed: int = 0, n: int = 5) -> dict[str, torch.Tensor]:
+    """One random periodic frame in SchNetPack's input layout, neighbours by SchNetPack's ASE list."""
+    from ase import Atoms
+    from schnetpack.interfaces import AtomsConverter
+    from schnetpack.transform import ASENeighborList
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.rand(n, 3, generator=g, dtype=torch.float64) * 3.0
+    atoms = Atoms(numbers=[1, 8] * (n // 2) + [1] * (n % 2), positions=pos.numpy(), cell=[3.0] * 3, pbc=True)
+    batch = AtomsConverter(neighbor_list=ASENeighborList(cutoff=2.5), dtype=torch.float64)(atoms)
+    batch["energy"] = torch.randn(1, generator=g, dtype=torch.float64)
+    batch["forces"] = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    batch["stress"] = torch.randn(1, 3, 3, generator=g, dtype=torch.float64)
+    return batch
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    representation = spk.representation.SchNet(
+        n_atom_basis=8, n_interactions=1, radial_basis=spk.nn.GaussianRBF(n_rbf=6, cutoff=2.5),
+        cutoff_fn=spk.nn.CosineCutoff(2.5),
+    )  # fmt: skip
+    return spk.model.NeuralNetworkPotential(
+        representation=representation,
+        input_modules=[spk.atomistic.Strain(), spk.atomistic.PairwiseDistances()],
+        output_modules=[
+            spk.atomistic.Atomwise(n_in=8, output_key="energy"),
+            spk.atomistic.Forces(
+                calc_stress=True, energy_key="energy", force_key="forces", stress_key="stress"
+            ),
+        ],
+        postprocessors=[],
+    ).double()
+
+
+def _step(model, batch):  # type: ignore[no-untyped-def]
+    out = model(dict(batch))
+    return {"energy": (out["energy"] - batch["energy"]).pow(2).mean(),
+            "force": (out["forces"] - batch["forces"]).pow(2).mean(),
+            "stress": (out["stress"] - batch["stress"]).pow(2).mean()}  # fmt: skip
+
+
+def test_the_model_compiled_alone_trains_energy_and_names_the_double_backward() -> None:
+    fm = gradprobe.probe(_model(), _step, _system(), variants="eager,compile_model:aot_eager,make_fx",
+                         progress=False)  # fmt: skip
+    v = "compile_model:aot_eager"
+    assert fm.run(v, "energy only").error is None and not fm.differences(v, "energy only")
+    assert fm.count(v, "energy only") == fm.count("eager", "energy only")
+    for s in ("force only", "stress only", "all"):
+        assert "double backward" in fm.run(v, s).error.message
+    (db,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
+    assert "energy only runs compiled" in db.message
+    (dd,) = [f for f in fm.findings if f.cause == "data-dependent-trace"]
+    assert "site-packages/schnetpack/" in dd.location["file"] and "idx_m" in dd.location["code"]
+    errors = sorted({f.cause for f in fm.findings if f.severity == "error"})
+    assert errors == ["data-dependent-trace", "double-backward-unsupported"]
+
+
+def test_the_whole_step_compiled_is_not_separable() -> None:
+    # The loss and forces inside the compiled region: on this torch even energy only raises.
+    fm = gradprobe.probe(_model(), _step, _system(), variants="eager,compile:aot_eager", progress=False)
+    assert all("double backward" in fm.run("compile:aot_eager", s).error.message for s in fm.scenario_names)
+    (db,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
+    assert "not separable in this path" in db.message
