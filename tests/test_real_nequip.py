@@ -19,7 +19,13 @@ pytestmark = pytest.mark.real_packages
 
 @pytest.fixture(scope="module")
 def adapter() -> NequipAdapter:
-    return NequipAdapter.tiny()
+    import torch
+
+    dtype, rng = torch.get_default_dtype(), torch.random.get_rng_state()
+    made = NequipAdapter.tiny()
+    # NequIP's set_global_state (float64, a global seed) does not leak into the rest of the suite.
+    assert torch.get_default_dtype() == dtype and torch.equal(torch.random.get_rng_state(), rng)
+    return made
 
 
 def _errors(fm: gradprobe.FlowMap) -> list[str]:
@@ -61,7 +67,10 @@ def test_the_terms_are_nequips_own_loss(adapter: NequipAdapter) -> None:
 
     model, batch = adapter.module(), adapter.batch()
     terms = adapter.terms_of(model, batch)
-    weighted = adapter.loss_fn(model(dict(batch)), dict(batch))["weighted_sum"]
+    from gradprobe.adapters.nequip import nequip_dtype
+
+    with nequip_dtype():
+        weighted = adapter.loss_fn(model(dict(batch)), dict(batch))["weighted_sum"]
     assert torch.allclose(sum(terms.values()), weighted)
 
 

@@ -23,8 +23,9 @@ What it does, and why:
   without a backend (inductor); the adapter passes the chosen backend to that one call while NequIP
   compiles (about a minute cold for inductor on 2 cores; CI uses ``aot_eager``).
 - **Global state**: NequIP builds models only after ``nequip.utils.global_state.set_global_state()``
-  (float64 default dtype, a global seed); :meth:`NequipAdapter.tiny` calls it, as NequIP's own
-  entry points do.
+  and runs with NequIP's default dtype (float64). :meth:`NequipAdapter.tiny` calls it, as NequIP's own
+  entry points do, but gives the caller's default dtype and random states back; the adapter runs NequIP
+  code (model, loss, compile) under NequIP's default dtype and restores the caller's after each call.
 
 Install: ``pip install nequip`` (0.19; pulls e3nn 0.6).
 """
@@ -71,22 +72,23 @@ def synthetic_batch(
     from nequip.data import AtomicDataDict, compute_neighborlist_, from_dict
 
     out = []
-    for f in range(frames):
-        g = torch.Generator().manual_seed(seed + f)
-        dtype = torch.get_default_dtype()
-        data = from_dict(
-            {
-                "pos": torch.rand(atoms, 3, generator=g, dtype=dtype) * box,
-                "cell": torch.eye(3, dtype=dtype) * box,
-                "pbc": True,
-                "atom_types": torch.arange(atoms) % types,
-                "total_energy": torch.randn(1, generator=g, dtype=dtype),
-                "forces": torch.randn(atoms, 3, generator=g, dtype=dtype),
-                "stress": torch.randn(1, 3, 3, generator=g, dtype=dtype),
-            }
-        )
-        out.append(compute_neighborlist_(data, r_max=r_max))
-    return AtomicDataDict.batched_from_list(out)
+    with nequip_dtype():  # NequIP's data layer reads the default dtype
+        for f in range(frames):
+            g = torch.Generator().manual_seed(seed + f)
+            dtype = torch.get_default_dtype()
+            data = from_dict(
+                {
+                    "pos": torch.rand(atoms, 3, generator=g, dtype=dtype) * box,
+                    "cell": torch.eye(3, dtype=dtype) * box,
+                    "pbc": True,
+                    "atom_types": torch.arange(atoms) % types,
+                    "total_energy": torch.randn(1, generator=g, dtype=dtype),
+                    "forces": torch.randn(atoms, 3, generator=g, dtype=dtype),
+                    "stress": torch.randn(1, 3, 3, generator=g, dtype=dtype),
+                }
+            )
+            out.append(compute_neighborlist_(data, r_max=r_max))
+        return AtomicDataDict.batched_from_list(out)
 
 
 def tiny_model(
@@ -99,6 +101,34 @@ def tiny_model(
     return NequIPGNNModel(seed=seed, model_dtype="float64", r_max=r_max, type_names=list(type_names),
                           num_layers=1, l_max=1, num_features=4, radial_mlp_width=8,
                           avg_num_neighbors=9.0)  # fmt: skip
+
+
+@contextlib.contextmanager
+def nequip_dtype() -> Iterator[None]:
+    """NequIP's global default dtype (float64) inside, the caller's restored after."""
+    from nequip.utils.dtype import torch_default_dtype
+    from nequip.utils.global_state import _GLOBAL_DTYPE
+
+    with torch_default_dtype(_GLOBAL_DTYPE):
+        yield
+
+
+@contextlib.contextmanager
+def _callers_state() -> Iterator[None]:
+    """The caller's default dtype and random states (torch, NumPy, Python) are given back after
+    NequIP's ``set_global_state`` (which seeds everything and sets float64)."""
+    import random
+
+    import numpy as np
+
+    dtype, py, npy = torch.get_default_dtype(), random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+        random.setstate(py)
+        np.random.set_state(npy)
 
 
 @contextlib.contextmanager
@@ -171,9 +201,11 @@ class NequipAdapter:
         from nequip.train import EnergyForceStressLoss
         from nequip.utils.global_state import set_global_state
 
-        set_global_state()
-        return cls(tiny_model(seed=seed), synthetic_batch(seed=seed), EnergyForceStressLoss(type_names=["H", "O"]),
-                   terms=terms, second_batch=synthetic_batch(seed=seed + 10))  # fmt: skip
+        with _callers_state():
+            set_global_state()
+            return cls(tiny_model(seed=seed), synthetic_batch(seed=seed),
+                       EnergyForceStressLoss(type_names=["H", "O"]), terms=terms,
+                       second_batch=synthetic_batch(seed=seed + 10))  # fmt: skip
 
     # the protocol -------------------------------------------------------------------------------
 
@@ -189,8 +221,9 @@ class NequipAdapter:
     def terms_of(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """NequIP's loss on ``model``'s predictions, as coefficient-weighted terms (they sum to NequIP's
         ``weighted_sum``)."""
-        out = model(dict(batch))
-        metrics = self.loss_fn(out, dict(batch))
+        with nequip_dtype():
+            out = model(dict(batch))
+            metrics = self.loss_fn(out, dict(batch))
         terms: dict[str, torch.Tensor] = {}
         for name, term in self._entries.items():
             if term in self.terms:
@@ -215,12 +248,13 @@ class NequipAdapter:
 
         backend = knobs.get("backend", COMPILE_KNOBS["backend"][0])
         inner = model.model  # type: ignore[attr-defined]
-        compiled = CompileGraphModel(inner, model_input_fields=dict(inner.irreps_in))
+        with nequip_dtype():
+            compiled = CompileGraphModel(inner, model_input_fields=dict(inner.irreps_in))
         built = Built()
         built.notes.append(f"NequIP CompileGraphModel (nequip_make_fx + torch.compile), backend={backend}")
 
         def run(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
-            with compile_backend(backend):  # NequIP compiles lazily, on the first call
+            with compile_backend(backend), nequip_dtype():  # NequIP compiles lazily, on the first call
                 return self._weighted(compiled, batch, weights)
 
         built.run = run
