@@ -4,8 +4,13 @@ names the double backward of forces and stress; make_fx names SchNetPack's own l
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+
+if importlib.util.find_spec("schnetpack") is None:
+    pytest.skip("schnetpack is not installed", allow_module_level=True)
 
 # torch 2.13 renamed torch.utils.data.dataloader.T_co to _T_co; SchNetPack 2.1 still imports the old
 # name. Give it the alias here (the test's workaround; the package is not patched).
