@@ -20,11 +20,16 @@ pytestmark = pytest.mark.real_packages
 @pytest.fixture(scope="module")
 def adapter() -> NequipAdapter:
     import torch
+    import torch._dynamo.config as dynamo_config
 
     dtype, rng = torch.get_default_dtype(), torch.random.get_rng_state()
+    scalars = dynamo_config.capture_scalar_outputs
     made = NequipAdapter.tiny()
-    # NequIP's set_global_state (float64, a global seed) does not leak into the rest of the suite.
+    # NequIP's set_global_state (float64, a global seed, dynamo's capture_scalar_outputs) does not leak
+    # into the rest of the suite: it changed how SchNetPack compiles (donated buffers instead of the
+    # double backward) when the tests ran in one process.
     assert torch.get_default_dtype() == dtype and torch.equal(torch.random.get_rng_state(), rng)
+    assert dynamo_config.capture_scalar_outputs == scalars
     return made
 
 
@@ -67,9 +72,9 @@ def test_the_terms_are_nequips_own_loss(adapter: NequipAdapter) -> None:
 
     model, batch = adapter.module(), adapter.batch()
     terms = adapter.terms_of(model, batch)
-    from gradprobe.adapters.nequip import nequip_dtype
+    from gradprobe.adapters.nequip import nequip_settings
 
-    with nequip_dtype():
+    with nequip_settings():
         weighted = adapter.loss_fn(model(dict(batch)), dict(batch))["weighted_sum"]
     assert torch.allclose(sum(terms.values()), weighted)
 

@@ -23,9 +23,13 @@ What it does, and why:
   without a backend (inductor); the adapter passes the chosen backend to that one call while NequIP
   compiles (about a minute cold for inductor on 2 cores; CI uses ``aot_eager``).
 - **Global state**: NequIP builds models only after ``nequip.utils.global_state.set_global_state()``
-  and runs with NequIP's default dtype (float64). :meth:`NequipAdapter.tiny` calls it, as NequIP's own
-  entry points do, but gives the caller's default dtype and random states back; the adapter runs NequIP
-  code (model, loss, compile) under NequIP's default dtype and restores the caller's after each call.
+  and runs with what it sets (float64 default dtype; dynamo's ``capture_scalar_outputs`` and
+  ``capture_dynamic_output_shape_ops``). :meth:`NequipAdapter.tiny` calls it, as NequIP's own entry points
+  do, but gives the caller's settings, configs and random states back; the adapter applies NequIP's
+  settings around NequIP's code only (model, loss, compile: ``nequip_settings()``). NequIP's Lightning
+  module also sets ``torch._functorch.config.donated_buffer = False``; the adapter does not (its
+  compiled path's backward is first order, and flipping donation against a shared inductor cache gave
+  silently wrong gradients).
 
 Install: ``pip install nequip`` (0.19; pulls e3nn 0.6).
 """
@@ -72,7 +76,7 @@ def synthetic_batch(
     from nequip.data import AtomicDataDict, compute_neighborlist_, from_dict
 
     out = []
-    with nequip_dtype():  # NequIP's data layer reads the default dtype
+    with nequip_settings():  # NequIP's data layer reads the default dtype
         for f in range(frames):
             g = torch.Generator().manual_seed(seed + f)
             dtype = torch.get_default_dtype()
@@ -104,31 +108,21 @@ def tiny_model(
 
 
 @contextlib.contextmanager
-def nequip_dtype() -> Iterator[None]:
-    """NequIP's global default dtype (float64) inside, the caller's restored after."""
+def nequip_settings() -> Iterator[None]:
+    """What NequIP's ``set_global_state()`` sets for its code, inside only: its default dtype (float64)
+    and, on torch >= 2.6, dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs``
+    (NequIP assumes dynamic shapes when it compiles); the caller's settings are restored after."""
+    import torch._dynamo.config as dynamo_config
     from nequip.utils.dtype import torch_default_dtype
     from nequip.utils.global_state import _GLOBAL_DTYPE
 
-    with torch_default_dtype(_GLOBAL_DTYPE):
-        yield
-
-
-@contextlib.contextmanager
-def _callers_state() -> Iterator[None]:
-    """The caller's default dtype and random states (torch, NumPy, Python) are given back after
-    NequIP's ``set_global_state`` (which seeds everything and sets float64)."""
-    import random
-
-    import numpy as np
-
-    dtype, py, npy = torch.get_default_dtype(), random.getstate(), np.random.get_state()
+    saved = dynamo_config.capture_dynamic_output_shape_ops, dynamo_config.capture_scalar_outputs
+    dynamo_config.capture_dynamic_output_shape_ops = dynamo_config.capture_scalar_outputs = True
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch_default_dtype(_GLOBAL_DTYPE):
             yield
     finally:
-        torch.set_default_dtype(dtype)
-        random.setstate(py)
-        np.random.set_state(npy)
+        dynamo_config.capture_dynamic_output_shape_ops, dynamo_config.capture_scalar_outputs = saved
 
 
 @contextlib.contextmanager
@@ -201,7 +195,11 @@ class NequipAdapter:
         from nequip.train import EnergyForceStressLoss
         from nequip.utils.global_state import set_global_state
 
-        with _callers_state():
+        from ..state import isolated_settings
+
+        # set_global_state seeds everything, sets float64 and flips dynamo config process-wide: the
+        # caller gets all of it back (the adapter applies NequIP's settings around NequIP's code only).
+        with isolated_settings(import_configs=True):
             set_global_state()
             return cls(tiny_model(seed=seed), synthetic_batch(seed=seed),
                        EnergyForceStressLoss(type_names=["H", "O"]), terms=terms,
@@ -221,7 +219,7 @@ class NequipAdapter:
     def terms_of(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """NequIP's loss on ``model``'s predictions, as coefficient-weighted terms (they sum to NequIP's
         ``weighted_sum``)."""
-        with nequip_dtype():
+        with nequip_settings():
             out = model(dict(batch))
             metrics = self.loss_fn(out, dict(batch))
         terms: dict[str, torch.Tensor] = {}
@@ -248,13 +246,13 @@ class NequipAdapter:
 
         backend = knobs.get("backend", COMPILE_KNOBS["backend"][0])
         inner = model.model  # type: ignore[attr-defined]
-        with nequip_dtype():
+        with nequip_settings():
             compiled = CompileGraphModel(inner, model_input_fields=dict(inner.irreps_in))
         built = Built()
         built.notes.append(f"NequIP CompileGraphModel (nequip_make_fx + torch.compile), backend={backend}")
 
         def run(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
-            with compile_backend(backend), nequip_dtype():  # NequIP compiles lazily, on the first call
+            with compile_backend(backend), nequip_settings():  # NequIP compiles lazily, on the first call
                 return self._weighted(compiled, batch, weights)
 
         built.run = run
