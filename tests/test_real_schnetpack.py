@@ -4,7 +4,9 @@ names the double backward of forces and stress; make_fx names SchNetPack's own l
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -90,3 +92,52 @@ def test_the_whole_step_compiled_is_not_separable() -> None:
     assert all("double backward" in fm.run("compile:aot_eager", s).error.message for s in fm.scenario_names)
     (db,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
     assert "not separable in this path" in db.message
+
+
+@contextlib.contextmanager
+def _settings(donated_buffer: bool) -> Iterator[None]:
+    """dynamo's capture_scalar_outputs on (what NequIP's set_global_state sets process-wide, and what
+    users set to keep ``int(idx_m[-1])`` in the graph), and AOTAutograd's donated_buffer, restored after."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    saved = dynamo_config.capture_scalar_outputs, functorch_config.donated_buffer
+    dynamo_config.capture_scalar_outputs, functorch_config.donated_buffer = True, donated_buffer
+    try:
+        yield
+    finally:
+        dynamo_config.capture_scalar_outputs, functorch_config.donated_buffer = saved
+
+
+def _compiled_capturing_scalars(ctx):  # type: ignore[no-untyped-def]
+    """``torch.compile(model, backend="aot_eager")`` with scalar outputs captured (aot_eager only)."""
+    on = ctx.knobs.get("donated_buffer", True)
+    with _settings(on):
+        compiled = torch.compile(ctx.model, backend="aot_eager")
+
+    def run(batch, weights):  # type: ignore[no-untyped-def]
+        with _settings(on):
+            terms = _step(compiled, batch)
+        return sum(weights[t] * terms[t] for t in terms), terms
+
+    return run
+
+
+def test_capturing_scalar_outputs_turns_it_into_donated_buffers_named_with_what_follows() -> None:
+    from gradprobe.variants import user_variant
+
+    knobs = {"donated_buffer": (True, (True, False))}
+    variants = ["eager", user_variant("scalars", _compiled_capturing_scalars, knobs),
+                user_variant("scalars", _compiled_capturing_scalars, knobs, donated_buffer=False)]  # fmt: skip
+    fm = gradprobe.probe(_model(), _step, _system(), variants=variants, progress=False)
+    (d,) = [f for f in fm.findings if f.cause == "donated-buffers"]
+    assert {tuple(r) for r in d.evidence["runs"]} == {("scalars", s) for s in fm.scenario_names}
+    assert "site-packages/schnetpack/" in d.location["file"]
+    assert "scalars[donated_buffer=false]" in d.evidence["next"]
+    # Donation off (measured): energy trains compiled and matches eager; forces hit the double backward.
+    assert "double-backward-unsupported" in d.evidence["next"]
+    off = "scalars[donated_buffer=false]"
+    assert fm.run(off, "energy only").error is None and not fm.differences(off, "energy only")
+    assert sorted({f.cause for f in fm.findings if f.severity == "error"}) == [
+        "donated-buffers", "double-backward-unsupported",
+    ]  # fmt: skip

@@ -91,7 +91,9 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "next": measured or NEXT,
                 },
                 location={"variant": v.name, **(first.where or {})},
-                fix=f"{FIX}. {measured + '; ' if measured else ''}{NEXT}",
+                fix=f"{FIX}. Next, {measured}; the way out then is the patterns of double-backward-unsupported"
+                if measured
+                else f"{FIX}. {NEXT[0].upper()}{NEXT[1:]}",
             )
         )
     return findings
