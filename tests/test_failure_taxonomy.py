@@ -172,3 +172,31 @@ def test_backend_drops_grads_never_claims_a_difference_on_runs_that_raised():
     findings = diagnose(dataclasses.replace(fm, bisections=(bisection,)))
     assert "backend-drops-grads" not in {f.cause for f in findings}
     assert "double-backward-unsupported" in {f.cause for f in findings}
+
+
+def test_the_donation_knob_is_spelled_and_refused_against_inductor() -> None:
+    from gradprobe.errors import SpecError
+    from gradprobe.variants import parse_variant
+
+    v = parse_variant("compile_model:aot_eager[donated_buffer=false]")
+    assert v.name == "compile_model:aot_eager[donated_buffer=false]" and v.knob("donated_buffer") is False
+    assert parse_variant("compile:eager").knob("donated_buffer") is True
+    import pytest
+
+    with pytest.raises(SpecError, match="silently wrong gradients"):
+        parse_variant("compile_model:inductor[donated_buffer=false]")
+
+
+def test_a_donation_finding_without_a_measurement_says_how_to_measure_it() -> None:
+    # A built-in variant failing on donated buffers (the recorded error of a run), no sibling variant.
+    from gradprobe.flowmap import RunError
+
+    fm = gradprobe.probe(Pot(), lambda m, b: _terms(m, b), X, variants="eager,compile_model:aot_eager",
+                         progress=False)  # fmt: skip
+    err = RunError("forward", "RuntimeError", "This backward function was compiled with non-empty donated "
+                   "buffers which requires create_graph=False and retain_graph=False.")  # fmt: skip
+    runs = tuple(
+        dataclasses.replace(r, error=err) if r.variant == "compile_model:aot_eager" else r for r in fm.runs
+    )
+    (f,) = [f for f in diagnose(dataclasses.replace(fm, runs=runs)) if f.cause == "donated-buffers"]
+    assert "add the variant compile_model:aot_eager[donated_buffer=false]" in f.fix

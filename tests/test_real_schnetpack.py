@@ -141,3 +141,25 @@ def test_capturing_scalar_outputs_turns_it_into_donated_buffers_named_with_what_
     assert sorted({f.cause for f in fm.findings if f.severity == "error"}) == [
         "donated-buffers", "double-backward-unsupported",
     ]  # fmt: skip
+
+
+def test_the_built_in_donation_knob_measures_what_turning_donation_off_exposes() -> None:
+    # The same, with gradprobe's own variants: compile_model:aot_eager[donated_buffer=false] sets
+    # torch._functorch.config.donated_buffer=False for its build and runs only.
+    import torch._dynamo.config as dynamo_config
+
+    from gradprobe.state import isolated_settings
+
+    with isolated_settings():
+        dynamo_config.capture_scalar_outputs = True
+        fm = gradprobe.probe(_model(), _step, _system(), progress=False,
+                             variants="eager,compile_model:aot_eager,compile_model:aot_eager[donated_buffer=false]")  # fmt: skip
+    (d,) = [f for f in fm.findings if f.cause == "donated-buffers"]
+    assert d.evidence["variant"] == "compile_model:aot_eager"
+    assert "compile_model:aot_eager[donated_buffer=false]" in d.evidence["next"]
+    assert "double-backward-unsupported" in d.evidence["next"]
+    off = "compile_model:aot_eager[donated_buffer=false]"
+    assert fm.run(off, "energy only").error is None and not fm.differences(off, "energy only")
+    import torch._functorch.config as functorch_config
+
+    assert functorch_config.donated_buffer is True

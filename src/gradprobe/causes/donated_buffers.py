@@ -13,6 +13,7 @@ that flipped a ``donated_buffer`` knob, or the same path with ``donated_buffer=f
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
+from ..variants import NO_DONATION_BACKENDS
 from .common import at_user, failures, knob_trial, runs_of
 
 CAUSE = "donated-buffers"
@@ -56,6 +57,13 @@ def _next_measured(fm: FlowMap, variant: str) -> str | None:
     return None
 
 
+def _spelled_off(name: str) -> str:
+    """``compile_model:aot_eager[dynamic=true]`` -> ``compile_model:aot_eager[dynamic=true,donated_buffer=false]``."""
+    if name.endswith("]"):
+        return name[:-1] + f",{KNOB}=false]"
+    return name + f"[{KNOB}=false]"
+
+
 def named(error: RunError) -> str:
     """The catalogue's name for what donation off exposed."""
     from . import create_graph_strides, dynamo_internal
@@ -77,6 +85,10 @@ def detect(fm: FlowMap) -> list[Finding]:
             continue
         first = errors[0]
         measured = _next_measured(fm, v.name)
+        if measured is None and v.capture != "user" and v.backend in NO_DONATION_BACKENDS:
+            hint = f"; measure it: add the variant {_spelled_off(v.name)}"
+        else:
+            hint = ""
         findings.append(
             Finding(
                 CAUSE,
@@ -93,7 +105,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 location={"variant": v.name, **(first.where or {})},
                 fix=f"{FIX}. Next, {measured}; the way out then is the patterns of double-backward-unsupported"
                 if measured
-                else f"{FIX}. {NEXT[0].upper()}{NEXT[1:]}",
+                else f"{FIX}{hint}. {NEXT[0].upper()}{NEXT[1:]}",
             )
         )
     return findings
