@@ -9,7 +9,8 @@
     make_fx+compile:<backend>     the traced graph, compiled (the pattern used for force training)
 
 Knobs go in brackets after the part they belong to, e.g.
-``make_fx[detach=alias,mode=eval]+compile:aot_eager[dynamic=true]``. Users register their own variants
+``make_fx[detach=alias,mode=eval]+compile:aot_eager[dynamic=true]``; ``compile_model:aot_eager[donated_buffer=false]``
+measures what turning AOTAutograd's donated buffers off exposes (not with inductor). Users register their own variants
 (a trainer that compiles itself) with ``register_variant``.
 """
 
