@@ -168,7 +168,13 @@ class NequipAdapter:
         if loss is None:
             from nequip.train import EnergyForceStressLoss
 
-            loss = EnergyForceStressLoss(type_names=list(getattr(model, "type_names", []) or ["H", "O"]))
+            type_names = list(getattr(model, "type_names", None) or [])
+            if not type_names:
+                raise SpecError(
+                    "NequIP adapter: this model records no type names, so the default loss cannot be built: "
+                    "pass loss=EnergyForceStressLoss(type_names=[...]) (or your own MetricsManager)"
+                )
+            loss = EnergyForceStressLoss(type_names=type_names)
         self.model = model
         self.loss_fn = loss
         self._batch = dict(batch)
