@@ -176,13 +176,21 @@ def _autocast(device: torch.device, knob: str) -> contextlib.AbstractContextMana
     return torch.autocast(device.type, dtype=torch.bfloat16 if knob == "bf16" else torch.float16)
 
 
-def _compile_context(backend: str | None) -> contextlib.AbstractContextManager[Any]:
-    if backend != "inductor":
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
+@contextlib.contextmanager
+def _compile_context(variant: VariantSpec) -> Iterator[None]:
+    """What a compiled variant's runs (where compilation happens, lazily) need: inductor draws the same
+    random numbers as eager (dropout), so values can be compared; ``donated_buffer=false`` turns
+    AOTAutograd's donated buffers off (restored after)."""
+    with contextlib.ExitStack() as stack:
+        if variant.backend == "inductor":
+            import torch._inductor.config as inductor_config
 
-    # Same random draws as eager (dropout), so values can be compared.
-    return inductor_config.patch(fallback_random=True)
+            stack.enter_context(inductor_config.patch(fallback_random=True))
+        if variant.compiled and variant.knob("donated_buffer") is False:
+            import torch._functorch.config as functorch_config
+
+            stack.enter_context(functorch_config.patch(donated_buffer=False))
+        yield
 
 
 def _no_detach(x: torch.Tensor) -> torch.Tensor:
@@ -270,10 +278,10 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
             built.counter = CompileCounter(variant.backend)  # type: ignore[arg-type]
             target = torch.compile(gm, backend=built.counter, fullgraph=variant.knob("fullgraph"),
                                    dynamic=variant.knob("dynamic"))  # fmt: skip
-        context = _compile_context(variant.backend)
+        context = functools.partial(_compile_context, variant)
 
         def run_traced(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
-            with context:
+            with context():
                 return target(holder_params, holder_buffers, batch, pack_weights(weights, ctx.terms))
 
         built.run = run_traced
@@ -282,7 +290,7 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
     weighted = ctx.weighted()
     built = Built()
     target = weighted
-    context = _compile_context(variant.backend)
+    context = functools.partial(_compile_context, variant)
     if variant.capture == "model":
         # Only the module is compiled (sharing its parameters); the step, its loss and any
         # autograd.grad run eagerly around it, so switched-off terms are never differentiated.
@@ -291,7 +299,7 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
                                        dynamic=variant.knob("dynamic"))  # fmt: skip
 
         def run_model_compiled(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
-            with module_mode(ctx.model, mode), _autocast(device, autocast), context:
+            with module_mode(ctx.model, mode), _autocast(device, autocast), context():
                 return weighted(compiled_model, batch, weights)
 
         built.run = run_model_compiled
@@ -303,7 +311,7 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
                                fullgraph=variant.knob("fullgraph"), dynamic=variant.knob("dynamic"))  # fmt: skip
 
     def run_direct(batch: Any, weights: Mapping[str, torch.Tensor]) -> Any:
-        with module_mode(ctx.model, mode), _autocast(device, autocast), context:
+        with module_mode(ctx.model, mode), _autocast(device, autocast), context():
             return target(ctx.model, batch, pack_weights(weights, ctx.terms) if variant.compiled else weights)
 
     built.run = run_direct

@@ -50,8 +50,12 @@ class RunError:
     type: str
     message: str
     # The user's frame the failure came from: {file, line, code, function} (the innermost frame
-    # outside torch and gradprobe, or the "from user code" frame dynamo names), None if unknown.
+    # outside torch and gradprobe, or the "from user code" frame dynamo names), None if unknown;
+    # with ``object_type`` when that frame is a method (the type of its ``self``).
     where: dict[str, Any] | None = None
+    # The innermost traceback frames, torch's included ("runtime_wrappers.py:2489 in
+    # coerce_to_expected_memory_format"), innermost last: what a failure signature is read from.
+    frames: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -559,7 +563,8 @@ class _Fields:
         if not isinstance(x, Mapping):
             raise _malformed(self._at(key), "an object or null", x)
         e = _Fields(x, self._at(key))
-        return RunError(e.text("stage"), e.text("type"), e.text("message"), e.opt_obj("where"))
+        return RunError(e.text("stage"), e.text("type"), e.text("message"), e.opt_obj("where"),
+                        tuple(e.texts("frames", [])))  # fmt: skip
 
 
 def _str_keys(d: Mapping[Any, Any], where: str) -> dict[str, Any]:

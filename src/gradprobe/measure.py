@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,7 +65,22 @@ def run_error(stage: str, e: BaseException) -> RunError:
         message = message[: 60 + message[60:].index(". ") + 1]  # the first sentence is the message
     if "double backward" in text and "aot_autograd" in text:
         message = "torch.compile with aot_autograd does not currently support double backward"
-    return RunError(stage, type(e).__name__, message[:500], user_frame_of(e))
+    return RunError(stage, type(e).__name__, message[:500], user_frame_of(e), frames_of(e))
+
+
+FRAMES = 12  # innermost traceback frames kept with a run error
+
+
+def frames_of(e: BaseException, limit: int = FRAMES) -> tuple[str, ...]:
+    """``"runtime_wrappers.py:2489 in coerce_to_expected_memory_format"`` for the innermost ``limit``
+    frames of the traceback (torch's included), innermost last."""
+    out: list[str] = []
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        out.append(f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}")
+        tb = tb.tb_next
+    return tuple(out[-limit:])
 
 
 _FROM_USER = re.compile(
@@ -90,13 +106,29 @@ def user_frame_of(e: BaseException) -> dict[str, Any] | None:
     tb = e.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        if is_user_file(code.co_filename) and not code.co_filename.startswith("<eval_with_key>"):
-            found = (code.co_filename, tb.tb_lineno, code.co_name)
+        file = code.co_filename
+        if is_user_file(file) and not file.startswith("<eval_with_key>") and not _is_stdlib(file):
+            found = tb
         tb = tb.tb_next
     if found is None:
         return None
-    file, line, function = found
-    return {"file": file, "line": line, "function": function, "code": linecache.getline(file, line).strip()}
+    code = found.tb_frame.f_code
+    file, line = code.co_filename, found.tb_lineno
+    out: dict[str, Any] = {"file": file, "line": line, "function": code.co_name,
+                           "code": linecache.getline(file, line).strip()}  # fmt: skip
+    owner = found.tb_frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
+    if owner is not None:
+        out["object_type"] = f"{type(owner).__module__}.{type(owner).__qualname__}"
+    return out
+
+
+def _is_stdlib(path: str) -> bool:
+    """A file of Python's standard library (contextlib, functools...): never the user's frame."""
+    import sysconfig
+
+    path = os.path.abspath(path)
+    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+    return path.startswith(stdlib) and "site-packages" not in path and "dist-packages" not in path
 
 
 def _is_dynamo_error(e: BaseException) -> bool:

@@ -9,7 +9,8 @@
     make_fx+compile:<backend>     the traced graph, compiled (the pattern used for force training)
 
 Knobs go in brackets after the part they belong to, e.g.
-``make_fx[detach=alias,mode=eval]+compile:aot_eager[dynamic=true]``. Users register their own variants
+``make_fx[detach=alias,mode=eval]+compile:aot_eager[dynamic=true]``; ``compile_model:aot_eager[donated_buffer=false]``
+measures what turning AOTAutograd's donated buffers off exposes (not with inductor). Users register their own variants
 (a trainer that compiles itself) with ``register_variant``.
 """
 
@@ -38,7 +39,13 @@ MAKE_FX_KNOBS: dict[str, tuple[Any, tuple[Any, ...] | None]] = {
 COMPILE_KNOBS: dict[str, tuple[Any, tuple[Any, ...] | None]] = {
     "fullgraph": (False, (False, True)),
     "dynamic": (None, (None, False, True)),
+    # AOTAutograd's donated buffers (torch._functorch.config.donated_buffer), set for the build and every
+    # run and restored after. Off only with backends that share no inductor cache (see parse_variant).
+    "donated_buffer": (True, (True, False)),
 }
+# Turning donation off against inductor's shared cache gave silently wrong gradients (an inductor
+# backward compiled with donated buffers, then run with donated_buffer=False): refused.
+NO_DONATION_BACKENDS = ("eager", "aot_eager", "aot_eager_decomp_partition")
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,12 @@ def parse_variant(text: str) -> VariantSpec:
                 f"compile:<backend>, compile_model:<backend>, make_fx+compile:<backend> (backends: {', '.join(BACKENDS)})"
                 + (f", and registered: {', '.join(_USER_VARIANTS)}" if _USER_VARIANTS else "")
             )
+    if knobs.get("donated_buffer") is False and backend not in NO_DONATION_BACKENDS:
+        raise SpecError(
+            f"variant {text!r}: donated_buffer=false only with the {', '.join(NO_DONATION_BACKENDS)} backends: "
+            "against inductor's shared cache a backward compiled with donated buffers then ran without them "
+            "and gave silently wrong gradients"
+        )
     return VariantSpec(canonical_name(capture, backend, knobs), capture, backend, knobs)
 
 

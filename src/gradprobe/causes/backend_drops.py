@@ -32,10 +32,11 @@ def detect(fm: FlowMap) -> list[Finding]:
         )
         if not measured:
             continue  # the rung raised: another cause; no gradient was seen to differ
-        bad = differing(fm, v)
-        if not bad:
-            continue
+        # Only runs that ran and were compared: a raised run has no cells, so it never counts here.
+        bad = [s for s in differing(fm, v) if fm.run(v, s).error is None]
         lost = sorted({p for s in bad for p, c in fm.differences(v, s).items()})
+        if not bad or not lost:
+            continue  # no gradient was measured to differ: no finding may claim one
         last = culprit.get("last_good")
         passes = (b.get("compiler_bisect") or {}).get("result")
         inside = ""

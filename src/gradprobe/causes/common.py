@@ -73,3 +73,29 @@ def physics_results(fm) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-de
         if isinstance(r, dict) and not r.get("skipped"):
             out.append((v, r))
     return out
+
+
+def failures(fm, variant: str, matches) -> tuple[list[str], list]:  # type: ignore[no-untyped-def]
+    """The scenarios of ``variant`` whose run error ``matches``, and the matching errors (the build's
+    first, when the build failed that way)."""
+    v = fm.variant(variant)
+    failed = [r for r in fm.runs if r.variant == variant and r.error is not None and matches(r.error)]
+    errors = [v.error] if v.error is not None and matches(v.error) else []
+    return [r.scenario for r in failed], errors + [r.error for r in failed]
+
+
+def in_frames(error, *functions: str) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a recorded traceback frame of ``error`` is in one of ``functions``."""
+    return any(f.rpartition(" in ")[2] in functions for f in getattr(error, "frames", ()) or ())
+
+
+def at_user(error) -> str:  # type: ignore[no-untyped-def]
+    """' at potential.py:12 in forward: e = ...' from the error's user frame, or ''."""
+    at = error.where or {}
+    return f" at {where(at)}" if at else ""
+
+
+def knob_trial(fm, variant: str, knob: str) -> dict | None:  # type: ignore[no-untyped-def,type-arg]
+    """The bisection trial of ``variant`` that flipped ``knob`` (what the flip measured), if any."""
+    b = fm.bisection(variant) or {}
+    return next((t for t in b.get("trials") or () if t.get("knob") == knob), None)

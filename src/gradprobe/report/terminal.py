@@ -22,6 +22,12 @@ def error_text(error: RunError) -> str:
         return "error: ran eager (dynamo fallback)"
     if "double backward" in error.message:
         return "error: double backward unsupported"
+    if "donated buffers" in error.message:
+        return "error: donated buffers"
+    if "coerce_to_expected_memory_format" in " ".join(error.frames):
+        return "error: tangent strides"
+    if error.type == "InternalTorchDynamoError":
+        return "error: dynamo internal"
     return f"error: {error.type}"
 
 
