@@ -147,3 +147,20 @@ def test_an_unknown_failure_still_names_the_users_frame():
     (f,) = fm.errors()
     assert f.cause == "run-failed" and os.path.basename(f.location["file"]) == "test_compiled_isolation.py"
     assert "raise ValueError" in f.location["code"] and "test_compiled_isolation.py:" in f.message
+
+
+def test_a_double_backward_names_the_line_of_the_create_graph_call():
+    # Raised in autograd's engine at gradprobe's own autograd.grad: no user frame in the traceback.
+    # Anomaly mode's forward trace of the failing node gives the line that took the create_graph gradient.
+    import gradprobe
+    from gradprobe.zoo import reference_spec
+
+    fm = gradprobe.probe(reference_spec(), variants="eager,compile_model:aot_eager", progress=False)
+    run = fm.run("compile_model:aot_eager", "force only")
+    assert run.error is not None and "double backward" in run.error.message
+    assert run.error.where is not None and run.error.where["file"].endswith("zoo/potential.py")
+    assert "torch.autograd.grad(" in run.error.where["code"] and "create_graph" in run.error.where["code"]
+    (f,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
+    assert "the create_graph gradient is taken at potential.py:" in f.message
+    assert f.location["line"] == run.error.where["line"]
+    assert fm.run("compile_model:aot_eager", "energy only").error is None  # energy still trains compiled

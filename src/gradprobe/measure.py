@@ -88,20 +88,34 @@ _FROM_USER = re.compile(
 )
 
 
+def user_frame_in_text(text: str) -> dict[str, Any] | None:
+    """The innermost user frame a printed traceback names (``File "...", line N, in f``)."""
+    from .evidence.lineage import is_user_file
+
+    named = [
+        m.groupdict()
+        for m in _FROM_USER.finditer(text)
+        if is_user_file(m["file"]) and not _is_stdlib(m["file"])
+    ]
+    if not named:
+        return None
+    f = named[-1]
+    return {
+        "file": f["file"],
+        "line": int(f["line"]),
+        "function": f["function"].strip(),
+        "code": f["code"].strip(),
+    }
+
+
 def user_frame_of(e: BaseException) -> dict[str, Any] | None:
     """The user's frame of a failure: the last frame dynamo's message names ("from user code: File
     ..."), else the innermost traceback frame outside torch and gradprobe."""
     from .evidence.lineage import is_user_file
 
-    named = [m.groupdict() for m in _FROM_USER.finditer(str(e)) if is_user_file(m["file"])]
-    if named:
-        f = named[-1]
-        return {
-            "file": f["file"],
-            "line": int(f["line"]),
-            "function": f["function"].strip(),
-            "code": f["code"].strip(),
-        }
+    named = user_frame_in_text(str(e))
+    if named is not None:
+        return named
     found = None
     tb = e.__traceback__
     while tb is not None:

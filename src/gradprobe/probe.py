@@ -20,6 +20,7 @@ from .declarations import check_against, normalized_expect
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
 from .evidence import compiler_passes
+from .evidence.anomaly import with_double_backward_frames
 from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
 from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
@@ -219,6 +220,15 @@ def _run_probe(
                             consistency_rtol=consistency_tolerance(dtype)[0],
                             observe=observe,
                             isolate=mode == "terms",
+                        )  # fmt: skip
+                        # A double backward raised in autograd's engine names no user frame: anomaly
+                        # mode's forward trace of one failing scenario gives it (no recompile).
+                        results = with_double_backward_frames(
+                            results,
+                            lambda name, run=built.run, b=batch, ss=scenarios, ts=terms: per_scenario(
+                                lambda w: run(b, w), params, [s for s in ss if s.name == name],
+                                ts, spec.seed, isolate=mode == "terms",
+                            ),
                         )  # fmt: skip
             if is_ref:
                 ref_results = {m.scenario: m for m in results}

@@ -4,7 +4,7 @@ around ``autograd.grad(create_graph=True)`` raises at backward time."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import failed_runs, runs_of
+from .common import failed_runs, runs_of, where
 
 CAUSE = "double-backward-unsupported"
 
@@ -46,14 +46,23 @@ def detect(fm: FlowMap) -> list[Finding]:
                 "torch (one compiled graph holds every term's backward). Compile the model only "
                 "(compile_model:<backend>) to train the first-order terms compiled"
             )
+        # The create_graph call whose compiled backward is differentiated again (anomaly mode's forward
+        # trace of the failing node, evidence.anomaly): the user's or the package's own line.
+        frame = next((e.where for s in failed if (e := fm.run(v.name, s).error) and e.where), None)
+        at = f"; the create_graph gradient is taken at {where(frame)}" if frame else ""
         findings.append(
             Finding(
                 CAUSE,
                 "error",
                 f"{v.name} raises at backward in {', '.join(failed)}: torch.compile with aot_autograd does not "
-                f"support double backward ({where_}){split}",
-                evidence={"variant": v.name, "runs": runs_of(v.name, failed), "bisection": bis},
-                location={"variant": v.name, "backend": v.backend},
+                f"support double backward ({where_}){at}{split}",
+                evidence={
+                    "variant": v.name,
+                    "runs": runs_of(v.name, failed),
+                    "bisection": bis,
+                    "where": frame,
+                },
+                location={**(frame or {}), "variant": v.name, "backend": v.backend},
                 fix=f"patterns that work on this torch: {PATTERNS}.{verified}",
             )
         )
