@@ -46,6 +46,8 @@ def test_the_model_compiled_plainly_trains_energy_and_names_the_double_backward(
     v = "compile_model:aot_eager"
     assert fm.run(v, "energy only").error is None and not fm.differences(v, "energy only")
     assert all("double backward" in fm.run(v, s).error.message for s in ("force only", "all"))
+    (db,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
+    assert "site-packages/mace/" in db.location["file"] and "grad(" in db.location["code"]
     # make_fx traces MACE exactly (no data-dependent value on this path).
     assert all(
         fm.run("make_fx", s).error is None and not fm.differences("make_fx", s) for s in fm.scenario_names

@@ -47,6 +47,8 @@ def test_the_model_compiled_alone_trains_energy_and_names_the_double_backward(ad
         assert "double backward" in fm.run(v, s).error.message
     (db,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
     assert "energy only runs compiled" in db.message
+    # The create_graph call in the package's own code (anomaly mode's trace of the failing node).
+    assert "site-packages/nequip/" in db.location["file"] and "grad(" in db.location["code"]
     # make_fx fails on a data-dependent value in NequIP's own code, and says where.
     (dd,) = [f for f in fm.findings if f.cause == "data-dependent-trace"]
     assert "site-packages/nequip/" in dd.location["file"] and dd.location["line"] > 0

@@ -100,12 +100,38 @@ def user_frame_in_text(text: str) -> dict[str, Any] | None:
     if not named:
         return None
     f = named[-1]
-    return {
-        "file": f["file"],
-        "line": int(f["line"]),
-        "function": f["function"].strip(),
-        "code": f["code"].strip(),
-    }
+    file, line = f["file"], int(f["line"])
+    code = f["code"].strip()
+    if code.startswith('File "'):  # the frame printed no source line: the next frame's header was taken
+        code = linecache.getline(file, line).strip()
+    if not code or code[0] in ")]}":
+        # A resumed dynamo frame may name the line after a multi-line call: the statement it ends.
+        line, code = _statement_before(file, line)
+    return {"file": file, "line": line, "function": f["function"].strip(), "code": code}
+
+
+def _statement_before(file: str, line: int) -> tuple[int, str]:
+    """The first line (number and text) of the innermost statement that holds ``line``, or of the last
+    one ending before it when ``line`` is blank; ``(line, "")`` when the file cannot be read."""
+    import ast
+
+    source = "".join(linecache.getlines(file))
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return line, ""
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.end_lineno is not None and node.lineno <= line:
+            holds = node.end_lineno >= line
+            ends_before = node.end_lineno < line and not linecache.getline(file, line).strip()
+            if (holds or ends_before) and (
+                best is None or (node.lineno, -node.end_lineno) > (best.lineno, -best.end_lineno)
+            ):
+                best = node
+    if best is None:
+        return line, ""
+    return best.lineno, linecache.getline(file, best.lineno).strip()
 
 
 def user_frame_of(e: BaseException) -> dict[str, Any] | None:

@@ -84,6 +84,14 @@ def failures(fm, variant: str, matches) -> tuple[list[str], list]:  # type: igno
     return [r.scenario for r in failed], errors + [r.error for r in failed]
 
 
+def failing_variants(fm, matches):  # type: ignore[no-untyped-def]
+    """``(variant, failed scenarios, first matching error)`` for each variant with a failure ``matches``."""
+    for v in fm.variants:
+        failed, errors = failures(fm, v.name, matches)
+        if errors:
+            yield v, failed, errors[0]
+
+
 def in_frames(error, *functions: str) -> bool:  # type: ignore[no-untyped-def]
     """Whether a recorded traceback frame of ``error`` is in one of ``functions``."""
     return any(f.rpartition(" in ")[2] in functions for f in getattr(error, "frames", ()) or ())

@@ -12,7 +12,7 @@ message alone is an ordinary user error in eager code); the user's frame (the ``
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
-from .common import at_user, failures, in_frames, runs_of
+from .common import at_user, failing_variants, in_frames, runs_of
 
 CAUSE = "create-graph-tangent-strides"
 MESSAGE = "a leaf Variable that requires grad is being used in an in-place operation"
@@ -37,11 +37,7 @@ def matches(error: RunError) -> bool:
 
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
-    for v in fm.variants:
-        failed, errors = failures(fm, v.name, matches)
-        if not errors:
-            continue
-        first = errors[0]
+    for v, failed, first in failing_variants(fm, matches):
         findings.append(
             Finding(
                 CAUSE,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
 from ..variants import NO_DONATION_BACKENDS
-from .common import at_user, failures, knob_trial, runs_of
+from .common import at_user, failing_variants, knob_trial, runs_of
 
 CAUSE = "donated-buffers"
 SIGNATURE = "non-empty donated buffers"
@@ -79,11 +79,7 @@ def named(error: RunError) -> str:
 
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
-    for v in fm.variants:
-        failed, errors = failures(fm, v.name, matches)
-        if not errors:
-            continue
-        first = errors[0]
+    for v, failed, first in failing_variants(fm, matches):
         measured = _next_measured(fm, v.name)
         if measured is None and v.capture != "user" and v.backend in NO_DONATION_BACKENDS:
             hint = f"; measure it: add the variant {_spelled_off(v.name)}"

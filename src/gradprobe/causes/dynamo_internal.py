@@ -10,7 +10,7 @@ recorded frame in dynamo's ``guards.py``), the user's frame and the object's typ
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
-from .common import at_user, failures, runs_of
+from .common import at_user, failing_variants, runs_of
 
 CAUSE = "dynamo-internal-error"
 TYPES = ("InternalTorchDynamoError",)
@@ -30,11 +30,7 @@ def _guard(error: RunError) -> str | None:
 
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
-    for v in fm.variants:
-        failed, errors = failures(fm, v.name, matches)
-        if not errors:
-            continue
-        first = errors[0]
+    for v, failed, first in failing_variants(fm, matches):
         at = first.where or {}
         obj = at.get("object_type")
         guard = _guard(first)
