@@ -223,32 +223,35 @@ def per_term(
 
 
 def _add(acc: Grads | None, grads: Grads) -> Grads:
-    """``acc + grads`` where None is "no gradient" (None + g = g).
+    """``acc + grads`` where None is "no gradient" (None + g = g), never in place.
 
-    The accumulator holds only gradprobe's own tensors: a gradient entering the sum is copied first,
-    because autograd may return a tensor someone else holds (a custom ``backward`` that hands back a
-    saved tensor of the user's batch, the same tensor for two parameters, an expanded view). The copy
-    costs no peak memory: the term's gradients are freed after they entered the sums. Dense pairs are
-    added in place in one batched call; a sparse gradient (``nn.Embedding(sparse=True)``) or a mix of
-    layouts is added out of place.
+    A gradient entering an empty slot is held as it is, not copied: autograd may return a tensor
+    someone else holds (a custom ``backward`` that hands back a saved tensor of the user's batch, the
+    same tensor for two parameters, an expanded view), so nothing is ever written into a slot; a
+    second gradient makes a new tensor (one batched out-of-place add for the dense pairs). Most
+    parameters are reached by one term: their slots cost nothing (no copy of thousands of
+    gradients). A sparse gradient (``nn.Embedding(sparse=True)``) or a mix of layouts is added on its
+    own.
     """
     if acc is None:
-        acc = [None] * len(grads)
-    dense: list[tuple[torch.Tensor, torch.Tensor]] = []
+        return list(grads)
+    dense: list[int] = []
     for i, g in enumerate(grads):
         if g is None:
             continue
         a = acc[i]
         if a is None:
-            acc[i] = g.clone()  # a fresh, dense (or sparse) tensor of gradprobe's own
+            acc[i] = g
         elif a.layout == torch.strided and g.layout == torch.strided:
-            dense.append((a, g))
+            dense.append(i)
         else:
-            # Sparse + sparse, or a mix, out of place: a new tensor. A dense tensor goes first
-            # (sparse + dense has no kernel; dense + sparse has).
+            # Sparse + sparse, or a mix: a dense tensor goes first (sparse + dense has no kernel;
+            # dense + sparse has).
             acc[i] = g + a if g.layout == torch.strided else a + g
     if dense:
-        torch._foreach_add_([a for a, _ in dense], [g for _, g in dense])  # type: ignore[misc]
+        sums = torch._foreach_add([acc[i] for i in dense], [grads[i] for i in dense])  # type: ignore[misc]
+        for i, total in zip(dense, sums, strict=True):
+            acc[i] = total
     return acc
 
 

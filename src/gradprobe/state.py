@@ -184,12 +184,24 @@ def _put_back(container: Any, contents: Any) -> None:
         container.update(contents)
 
 
-def _is_machinery(key: str, value: Any) -> bool:
-    """Containers nn.Module keeps its parts in (filled in place by ``register_*`` and ``setattr``):
-    parameters, buffers, submodules, the non-persistent buffer names, and every hook dict."""
-    return isinstance(value, dict | set) and (
-        key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set") or "hooks" in key
-    )
+# Per tuple of attribute names (modules of one class share it): those named like nn.Module's
+# containers. Thousands of modules then cost one lookup each and a type test per container, not a
+# test per attribute.
+_MACHINERY: dict[tuple[str, ...], tuple[str, ...]] = {}
+_CONTAINER_NAMES = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"))
+
+
+def _machinery_keys(d: dict[str, Any]) -> tuple[str, ...]:
+    """The attributes holding containers nn.Module keeps its parts in (filled in place by
+    ``register_*`` and ``setattr``): parameters, buffers, submodules, the non-persistent buffer
+    names, and every hook dict."""
+    names = tuple(d)
+    named = _MACHINERY.get(names)
+    if named is None:
+        named = tuple(k for k in names if k in _CONTAINER_NAMES or "hooks" in k)
+        if len(_MACHINERY) < 4096:  # a bound: modules with attributes of their own make new tuples
+            _MACHINERY[names] = named
+    return tuple(k for k in named if isinstance(d[k], dict | set))
 
 
 class _Attributes:
@@ -207,8 +219,9 @@ class _Attributes:
         self.modules = []
         for m in modules:
             d = dict(vars(m))
-            filled = {k: _contents(v) for k, v in d.items() if _is_machinery(k, v) and v}
-            self.modules.append((m, d, filled))
+            machinery = _machinery_keys(d)
+            filled = {k: _contents(d[k]) for k in machinery if d[k]}
+            self.modules.append((m, d, machinery, filled))
         self.tensor_hooks = [
             (p, name, hooks, None if hooks is None else _contents(hooks))
             for p in params
@@ -217,7 +230,7 @@ class _Attributes:
         ]
 
     def restore(self) -> None:
-        for m, saved, filled in self.modules:
+        for m, saved, machinery, filled in self.modules:
             current = vars(m)
             if current.keys() != saved.keys():  # compared in C
                 for key in [k for k in current if k not in saved]:
@@ -225,12 +238,13 @@ class _Attributes:
             for key, value in saved.items():
                 if current.get(key, _MISSING) is not value:
                     current[key] = value
-                if _is_machinery(key, value):
-                    contents = filled.get(key)
-                    if contents is not None:
-                        _put_back(value, contents)
-                    elif value:  # was empty
-                        value.clear()
+            for key in machinery:
+                container = saved[key]
+                contents = filled.get(key)
+                if contents is not None:
+                    _put_back(container, contents)
+                elif container:  # was empty
+                    container.clear()
         for p, name, hooks, contents in self.tensor_hooks:
             now = getattr(p, name, None)
             if now is None:
@@ -250,13 +264,12 @@ class _ModelState:
     saved: _Saved
 
 
-def _snapshot_model(model: torch.nn.Module) -> _ModelState:
+def _snapshot_model(model: torch.nn.Module, params: list[torch.nn.Parameter] | None = None) -> _ModelState:
     with gc_paused():
-        return _take_model_snapshot(model)
+        return _take_model_snapshot(model, list(model.parameters()) if params is None else params)
 
 
-def _take_model_snapshot(model: torch.nn.Module) -> _ModelState:
-    params = list(model.parameters())
+def _take_model_snapshot(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> _ModelState:
     grads = [p.grad for p in params]
     modules = list(model.modules())
     buffers = [b for m in modules for b in m._buffers.values() if b is not None]
@@ -700,12 +713,12 @@ _PROBE_LOCK = threading.RLock()
 
 
 @contextmanager
-def preserved(model: torch.nn.Module) -> Iterator[None]:
+def preserved(model: torch.nn.Module, params: list[torch.nn.Parameter] | None = None) -> Iterator[None]:
     """Run the body, then put the model and every registered piece of process-wide state (``GLOBALS``:
     settings, RNG streams, mode stacks, hooks, configs) back as they were. Probes in several threads
-    run one at a time."""
+    run one at a time. ``params``: ``list(model.parameters())`` when the caller has it already."""
     with _PROBE_LOCK:
-        model_state = _snapshot_model(model)
+        model_state = _snapshot_model(model, params)
         saved = _snapshot_globals()
         try:
             yield
