@@ -43,31 +43,72 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
     accumulation dtype's range); for those gradients alone the largest absolute value decides, at one
     more host sync.
     """
-    statuses: list[str] = [NONE] * len(grads)
-    norms: list[float | None] = [None] * len(grads)
-    per_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    for (device, dtype, layout), idx in _groups(grads).items():
-        tensors = [grads[i] for i in idx]
-        if layout != torch.strided or dtype.is_complex:
-            tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
-        order, l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
-        per_device.setdefault(device, []).append(([idx[j] for j in order], l1))
-    overflow: list[int] = []
+    (result,), _ = read([launch(grads)])
+    return result
+
+
+class Pending:
+    """The L1 norms of one list of gradients, computed on their devices and not yet read: ``read``
+    copies many of them to the host at once (one copy per device for all)."""
+
+    def __init__(self, grads: Sequence[torch.Tensor | None]) -> None:
+        self.grads = grads  # kept until read: an infinite norm is rechecked on the gradient itself
+        self.parts: list[tuple[torch.device, list[int], torch.Tensor]] = []
+        for (device, dtype, layout), idx in _groups(grads).items():
+            tensors = [grads[i] for i in idx]
+            if layout != torch.strided or dtype.is_complex:
+                tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
+            order, l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
+            self.parts.append((device, [idx[j] for j in order], l1))
+
+    @property
+    def elements(self) -> int:
+        """Elements of the gradients this reduction holds on to until it is read."""
+        return sum(g.numel() for g in self.grads if g is not None)
+
+
+def launch(grads: Sequence[torch.Tensor | None]) -> Pending:
+    """Start the reduction of ``grads`` (see ``reduce_grads``); ``read`` finishes it."""
+    return Pending(grads)
+
+
+def read(
+    pending: Sequence[Pending], extra: torch.Tensor | None = None
+) -> tuple[list[tuple[list[str], list[float | None]]], list[float] | None]:
+    """(statuses, norms) of each pending reduction, and ``extra`` (a 1-D float tensor, e.g. term
+    values) as floats, with one device-to-host copy per device for all of them."""
+    per_device: dict[torch.device, list[tuple[int, list[int], torch.Tensor]]] = {}
+    for k, p in enumerate(pending):
+        for device, positions, l1 in p.parts:
+            per_device.setdefault(device, []).append((k, positions, l1))
+    if extra is not None:
+        per_device.setdefault(extra.device, []).append((-1, [], extra))
+    out = [([NONE] * len(p.grads), [None] * len(p.grads)) for p in pending]
+    overflow: list[list[int]] = [[] for _ in pending]
+    extra_host: list[float] | None = None
     for parts in per_device.values():
-        # One device-to-host copy for all groups on this device, in the widest accumulation dtype
-        # among them (a device holding float64 gradients supports float64).
-        wide = max((p.dtype for _, p in parts), key=lambda d: torch.finfo(d).bits)
-        host = torch.cat([p.to(wide) for _, p in parts]).cpu().tolist()
-        positions = [i for idx, _ in parts for i in idx]
-        for i, v in zip(positions, host, strict=True):
-            norms[i] = v
-            # status_of inlined (thousands of gradients); v != v is NaN
-            statuses[i] = ZERO if v == 0.0 else NAN if v != v else NONZERO
-            if v == _INF:
-                overflow.append(i)
-    if overflow:
-        _recheck_overflow(grads, overflow, statuses, norms)
-    return statuses, norms
+        # One device-to-host copy for all parts on this device, in the widest dtype among them (a
+        # device holding float64 tensors supports float64).
+        wide = max((t.dtype for _, _, t in parts), key=lambda d: torch.finfo(d).bits)
+        host = torch.cat([t.to(wide) for _, _, t in parts]).cpu().tolist()
+        offset = 0
+        for k, positions, t in parts:
+            values = host[offset : offset + t.numel()]
+            offset += t.numel()
+            if k < 0:
+                extra_host = values
+                continue
+            statuses, norms = out[k]
+            for i, v in zip(positions, values, strict=True):
+                norms[i] = v
+                # status_of inlined (thousands of gradients); v != v is NaN
+                statuses[i] = ZERO if v == 0.0 else NAN if v != v else NONZERO
+                if v == _INF:
+                    overflow[k].append(i)
+    for p, (statuses, norms), over in zip(pending, out, overflow, strict=True):
+        if over:
+            _recheck_overflow(p.grads, over, statuses, norms)
+    return out, extra_host
 
 
 _INF = math.inf
