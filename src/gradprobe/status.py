@@ -48,18 +48,11 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
 
 
 class Pending:
-    """The L1 norms of one list of gradients, computed on their devices and not yet read: ``read``
-    copies many of them to the host at once (one copy per device for all)."""
+    """One list of gradients to reduce; ``read`` reduces many of them together (one batched norm
+    per (device, dtype, layout) over all of them, one copy to the host per device)."""
 
     def __init__(self, grads: Sequence[torch.Tensor | None]) -> None:
-        self.grads = grads  # kept until read: an infinite norm is rechecked on the gradient itself
-        self.parts: list[tuple[torch.device, list[int], torch.Tensor]] = []
-        for (device, dtype, layout), idx in _groups(grads).items():
-            tensors = [grads[i] for i in idx]
-            if layout != torch.strided or dtype.is_complex:
-                tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
-            order, l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
-            self.parts.append((device, [idx[j] for j in order], l1))
+        self.grads = grads
 
     @property
     def elements(self) -> int:
@@ -68,7 +61,7 @@ class Pending:
 
 
 def launch(grads: Sequence[torch.Tensor | None]) -> Pending:
-    """Start the reduction of ``grads`` (see ``reduce_grads``); ``read`` finishes it."""
+    """A reduction of ``grads`` (see ``reduce_grads``) for ``read`` to finish with others."""
     return Pending(grads)
 
 
@@ -76,30 +69,38 @@ def read(
     pending: Sequence[Pending], extra: torch.Tensor | None = None
 ) -> tuple[list[tuple[list[str], list[float | None]]], list[float] | None]:
     """(statuses, norms) of each pending reduction, and ``extra`` (a 1-D float tensor, e.g. term
-    values) as floats, with one device-to-host copy per device for all of them."""
-    per_device: dict[torch.device, list[tuple[int, list[int], torch.Tensor]]] = {}
+    values) as floats: the norms of all of them in one batched call per (device, dtype, layout),
+    one device-to-host copy per device."""
+    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[tuple[int, int]]] = {}
     for k, p in enumerate(pending):
-        for device, positions, l1 in p.parts:
-            per_device.setdefault(device, []).append((k, positions, l1))
+        for key, idx in _groups(p.grads).items():
+            groups.setdefault(key, []).extend((k, i) for i in idx)
+    per_device: dict[torch.device, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
+    for (device, dtype, layout), where in groups.items():
+        tensors = [pending[k].grads[i] for k, i in where]
+        if layout != torch.strided or dtype.is_complex:
+            tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
+        order, l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
+        per_device.setdefault(device, []).append(([where[j] for j in order], l1))
     if extra is not None:
-        per_device.setdefault(extra.device, []).append((-1, [], extra))
+        per_device.setdefault(extra.device, []).append(([], extra))
     out = [([NONE] * len(p.grads), [None] * len(p.grads)) for p in pending]
     overflow: list[list[int]] = [[] for _ in pending]
     extra_host: list[float] | None = None
     for parts in per_device.values():
         # One device-to-host copy for all parts on this device, in the widest dtype among them (a
         # device holding float64 tensors supports float64).
-        wide = max((t.dtype for _, _, t in parts), key=lambda d: torch.finfo(d).bits)
-        host = torch.cat([t.to(wide) for _, _, t in parts]).cpu().tolist()
+        wide = max((t.dtype for _, t in parts), key=lambda d: torch.finfo(d).bits)
+        host = torch.cat([t.to(wide) for _, t in parts]).cpu().tolist()
         offset = 0
-        for k, positions, t in parts:
+        for where, t in parts:
             values = host[offset : offset + t.numel()]
             offset += t.numel()
-            if k < 0:
+            if not where and t is extra:
                 extra_host = values
                 continue
-            statuses, norms = out[k]
-            for i, v in zip(positions, values, strict=True):
+            for (k, i), v in zip(where, values, strict=True):
+                statuses, norms = out[k]
                 norms[i] = v
                 # status_of inlined (thousands of gradients); v != v is NaN
                 statuses[i] = ZERO if v == 0.0 else NAN if v != v else NONZERO
@@ -133,12 +134,13 @@ def _groups(
 # a stack about a tenth of that. Bigger ones go through ``_foreach_norm`` (no copy of big tensors).
 _STACKED_NUMEL = 4096
 _STACK_ELEMENTS = 1 << 22  # elements per stacked chunk: bounds the copy's memory
+_STACK_MIN = 16  # gradients of one shape worth a stack of their own
 
 
 def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[int], torch.Tensor]:
     """The L1 norm of each of ``tensors`` (same device, dtype and layout), accumulated in ``dtype``:
     ``(order, norms)``, ``norms[j]`` being that of ``tensors[order[j]]``."""
-    if len(tensors) < 8:
+    if len(tensors) < _STACK_MIN:
         return list(range(len(tensors))), torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
     by_shape: dict[torch.Size, list[int]] = {}
     single: list[int] = []
@@ -150,7 +152,7 @@ def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[int
     order: list[int] = []
     parts: list[torch.Tensor] = []
     for shape, members in by_shape.items():
-        if len(members) < 2:
+        if len(members) < _STACK_MIN:  # a few: one more call would cost more than it saves
             single.extend(members)
             continue
         numel = max(1, shape.numel())
