@@ -134,7 +134,17 @@ class _Saved:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
         self.aliases = [t.data for t in tensors]
-        self.copies = [t.detach().clone() for t in tensors]
+        # A plain tensor's copy is taken from its alias (no detach: one tensor object fewer each).
+        self.copies = [
+            a.clone() if type(t) in _PLAIN else t.detach().clone()
+            for t, a in zip(tensors, self.aliases, strict=True)
+        ]
+        # What restore() asks of each alias, decided now: the aliases are gradprobe's own, their
+        # layout, type, conjugation and strides do not change (a few calls per tensor fewer).
+        self.strided = [a.layout == torch.strided for a in self.aliases]
+        self.writable = [_writable(t, a) for t, a in zip(tensors, self.aliases, strict=True)]
+        self.set_to = [a.is_cpu or a.is_cuda for a in self.aliases]  # is_set_to has a kernel there
+        self.all_plain = all(self.strided) and all(self.writable) and all(self.set_to)
 
     def restore(self) -> None:
         """Each tensor back on its own storage, offset, sizes, strides and dtype, with its saved values.
@@ -145,15 +155,22 @@ class _Saved:
         through the aliases, whose version counters are their own: a tensor the step left alone keeps
         its ``_version``, so autograd graphs that saved it before the probe stay usable.
         """
+        if self.all_plain:  # the usual case: one check per tensor, one batched write
+            for t, alias in zip(self.tensors, self.aliases, strict=True):
+                if not t.is_set_to(alias) or t.dtype != alias.dtype:
+                    t.data = alias
+            if self.aliases:
+                torch._foreach_copy_(self.aliases, self.copies)
+            return
         write: list[int] = []
         compare: list[int] = []
         for i, (t, alias) in enumerate(zip(self.tensors, self.aliases, strict=True)):
-            if alias.layout != torch.strided:  # sparse and other layouts: no storage to write into
+            if not self.strided[i]:  # sparse and other layouts: no storage to write into
                 t.data = self.copies[i]
                 continue
             if _replaced(t, alias):
                 t.data = alias
-            (write if _writable(t, alias) else compare).append(i)
+            (write if self.writable[i] else compare).append(i)
         if write:
             torch._foreach_copy_([self.aliases[i] for i in write], [self.copies[i] for i in write])
         if compare:
@@ -189,6 +206,7 @@ def _put_back(container: Any, contents: Any) -> None:
 # test per attribute.
 _MACHINERY: dict[tuple[str, ...], tuple[str, ...]] = {}
 _CONTAINER_NAMES = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"))
+_CONTAINERS = (dict, set)  # a tuple: `dict | set` builds a union object per call
 
 
 def _machinery_keys(d: dict[str, Any]) -> tuple[str, ...]:
@@ -201,7 +219,7 @@ def _machinery_keys(d: dict[str, Any]) -> tuple[str, ...]:
         named = tuple(k for k in names if k in _CONTAINER_NAMES or "hooks" in k)
         if len(_MACHINERY) < 4096:  # a bound: modules with attributes of their own make new tuples
             _MACHINERY[names] = named
-    return tuple(k for k in named if isinstance(d[k], dict | set))
+    return tuple(k for k in named if isinstance(d[k], _CONTAINERS))
 
 
 class _Attributes:
