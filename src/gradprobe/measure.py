@@ -204,11 +204,7 @@ def per_term(
             if error is not None and error.type != "NoGradPath":
                 acc_error[s.name] = acc_error[s.name] or error
             elif grads is not None:
-                acc[s.name] = _add(acc[s.name], grads)
-                who = alone[s.name]
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        who[i] = t if who[i] is None else _SUMMED
+                acc[s.name] = _add(acc[s.name], grads, alone[s.name], t)
         del grads
     for s in multi:
         t0 = time.perf_counter()
@@ -291,8 +287,10 @@ class _Reductions:
 _DEFERRED_ELEMENTS = 1 << 22
 
 
-def _add(acc: Grads | None, grads: Grads) -> Grads:
-    """``acc + grads`` where None is "no gradient" (None + g = g), never in place.
+def _add(acc: Grads | None, grads: Grads, who: list[str | None], term: str) -> Grads:
+    """``acc + grads`` where None is "no gradient" (None + g = g), never in place; ``who[i]`` records
+    which term the sum at ``i`` holds unchanged (``term`` where it is the first, ``_SUMMED`` once a
+    second one is added), in the same pass.
 
     A gradient entering an empty slot is held as it is, not copied: autograd may return a tensor
     someone else holds (a custom ``backward`` that hands back a saved tensor of the user's batch, the
@@ -303,20 +301,27 @@ def _add(acc: Grads | None, grads: Grads) -> Grads:
     own.
     """
     if acc is None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                who[i] = term
         return list(grads)
     dense: list[int] = []
+    strided = torch.strided
     for i, g in enumerate(grads):
         if g is None:
             continue
         a = acc[i]
         if a is None:
             acc[i] = g
-        elif a.layout == torch.strided and g.layout == torch.strided:
+            who[i] = term
+            continue
+        who[i] = _SUMMED
+        if a.layout == strided and g.layout == strided:
             dense.append(i)
         else:
             # Sparse + sparse, or a mix: a dense tensor goes first (sparse + dense has no kernel;
             # dense + sparse has).
-            acc[i] = g + a if g.layout == torch.strided else a + g
+            acc[i] = g + a if g.layout == strided else a + g
     if dense:
         sums = torch._foreach_add([acc[i] for i in dense], [grads[i] for i in dense])  # type: ignore[misc]
         for i, total in zip(dense, sums, strict=True):
