@@ -501,12 +501,15 @@ def _same_hooks(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _flag(path: str) -> Global:
     """A boolean attribute of a torch.backends module (cudnn, matmul precision flags)."""
     module_name, _, attr = path.rpartition(".")
+    found: list[Any] = []  # the owner, looked up once: its path walk costs more than the flag
 
     def owner() -> Any:
-        obj: Any = torch
-        for part in module_name.split(".")[1:]:
-            obj = getattr(obj, part)
-        return obj
+        if not found:
+            obj: Any = torch
+            for part in module_name.split(".")[1:]:
+                obj = getattr(obj, part)
+            found.append(obj)
+        return found[0]
 
     return register(path, lambda: getattr(owner(), attr), lambda v: setattr(owner(), attr, v))
 
@@ -552,12 +555,20 @@ def _mutable_keys(module: Any, values: dict[str, Any]) -> list[str]:
     """The keys of ``values`` that hold mutable values; rescanned only when a value was set since the
     last scan (the dict comparison runs in C, identity first: a few microseconds for 600 keys)."""
     cached = _MUTABLE_KEYS.get(module.__name__)
-    if cached is not None and cached[0] == values:
+    if cached is not None and _same_values(cached[0], values):
         return cached[1]
     # type(v) in a set: a third of isinstance's cost; a subclass of an immutable type is merely copied.
     keys = [k for k, v in values.items() if type(v) not in _IMMUTABLE_TYPES]
     _MUTABLE_KEYS[module.__name__] = (dict(values), keys)
     return keys
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a == b`` (in C, identity first); False where a value cannot be compared (a tensor in a list)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _live_value(module: Any, key: str, cached: Any) -> Any:
@@ -629,7 +640,7 @@ def _write_config(saved: tuple[Any, dict[str, Any]]) -> None:
     copy must not become the live, editable value)."""
     module, values = saved
     current = _config_values(module, copy_mutable=False)
-    if current is not None and current == values:  # the usual case, compared in C
+    if current is not None and _same_values(current, values):  # the usual case, compared in C
         return
     for key, value in values.items():
         try:
