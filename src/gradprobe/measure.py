@@ -233,7 +233,7 @@ class _Reductions:
         self.host_values: dict[str, float | None] | None = None
         self.pending: list[tuple[Measurement, Pending, dict[int, Measurement]]] = []
         self.measurements: list[Measurement] = []
-        self.elements = 0
+        self.elements = self.tensors = 0
 
     def add(
         self,
@@ -254,8 +254,9 @@ class _Reductions:
             p = launch([None if i in known else g for i, g in enumerate(grads)] if known else grads)
             self.pending.append((m, p, known))
             self.elements += p.elements
+            self.tensors += len(grads)
         m.seconds = time.perf_counter() - t0
-        if self.elements > _DEFERRED_ELEMENTS:
+        if self.elements > _DEFERRED_ELEMENTS or self.tensors > _DEFERRED_TENSORS:
             self.read()
         return m
 
@@ -274,7 +275,7 @@ class _Reductions:
         for m, _, _ in self.pending:
             m.seconds += share
         self.pending.clear()
-        self.elements = 0
+        self.elements = self.tensors = 0
         finite = [v for v in self.host_values.values() if v is not None]
         for m in self.measurements:
             m.term_values = dict(self.host_values)
@@ -282,9 +283,13 @@ class _Reductions:
                 m.total = sum(finite) if finite else None
 
 
-# Gradient elements held for one batched read: below it, every scenario's statuses come back in one
-# copy; above it, each term's are read as they come (one copy per term), holding no more gradients.
-_DEFERRED_ELEMENTS = 1 << 22
+# Gradients held for one batched read: below both bounds, every scenario's statuses come back in one
+# copy; above either, each term's are read as they come (one copy per term) and released. The
+# elements bound the memory held; the tensors the objects: tens of thousands of gradients held
+# through the next backward make the garbage collector's full collection run during it (0.2 s at
+# 8,192 tensors), which one read per term avoids.
+_DEFERRED_ELEMENTS = 1 << 20
+_DEFERRED_TENSORS = 1 << 14
 
 
 def _add(acc: Grads | None, grads: Grads, who: list[str | None], term: str) -> Grads:

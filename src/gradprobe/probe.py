@@ -123,7 +123,7 @@ def _run_probe(
     named = list(model.named_parameters())  # one walk of the modules, shared by what follows
     check_values(model, named)
     check_not_inference(spec.batch, named)
-    trainable = [(n, p) for n, p in named if p.requires_grad]
+    trainable = [x for x in named if x[1].requires_grad]  # the same pairs: no new tuple each
     if not trainable:
         raise SpecError(
             f"the model ({type(model).__name__}) has no trainable parameters "

@@ -135,17 +135,31 @@ class _Saved:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
         self.aliases = [t.data for t in tensors]
-        # A plain tensor's copy is taken from its alias (no detach: one tensor object fewer each).
-        self.copies = [
-            a.clone() if type(t) in _PLAIN else t.detach().clone()
-            for t, a in zip(tensors, self.aliases, strict=True)
-        ]
         # What restore() asks of each alias, decided now: the aliases are gradprobe's own, their
         # layout, type, conjugation and strides do not change (a few calls per tensor fewer).
         self.strided = [a.layout == torch.strided for a in self.aliases]
         self.writable = [_writable(t, a) for t, a in zip(tensors, self.aliases, strict=True)]
         self.set_to = [a.is_cpu or a.is_cuda for a in self.aliases]  # is_set_to has a kernel there
         self.all_plain = all(self.strided) and all(self.writable) and all(self.set_to)
+        self.copies: list[torch.Tensor] = []
+        self.flat: list[tuple[list[int], torch.Tensor]] = []
+        if self.all_plain:
+            # The usual case: the values of each (device, dtype) group in one flat copy. One object
+            # instead of one per tensor: thousands of copies held through the probe would otherwise
+            # each be traversed by every full garbage collection the user's step triggers.
+            groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+            for i, a in enumerate(self.aliases):
+                groups.setdefault((a.device, a.dtype), []).append(i)
+            for idx in groups.values():
+                group = [self.aliases[i] for i in idx]
+                # A group of one is cloned: flatten_dense_tensors returns a view, not a copy, of it.
+                flat = group[0].clone() if len(group) == 1 else torch._utils._flatten_dense_tensors(group)
+                self.flat.append((idx, flat))
+        else:
+            self.copies = [
+                a.clone() if type(t) in _PLAIN else t.detach().clone()
+                for t, a in zip(tensors, self.aliases, strict=True)
+            ]
 
     def restore(self) -> None:
         """Each tensor back on its own storage, offset, sizes, strides and dtype, with its saved values.
@@ -156,12 +170,14 @@ class _Saved:
         through the aliases, whose version counters are their own: a tensor the step left alone keeps
         its ``_version``, so autograd graphs that saved it before the probe stay usable.
         """
-        if self.all_plain:  # the usual case: one check per tensor, one batched write
+        if self.all_plain:  # one check per tensor, one batched write per group
             for t, alias in zip(self.tensors, self.aliases, strict=True):
                 if not t.is_set_to(alias) or t.dtype != alias.dtype:
                     t.data = alias
-            if self.aliases:
-                torch._foreach_copy_(self.aliases, self.copies)
+            for idx, flat in self.flat:
+                targets = [self.aliases[i] for i in idx]
+                values = [flat] if len(targets) == 1 else torch._utils._unflatten_dense_tensors(flat, targets)
+                torch._foreach_copy_(targets, values)
             return
         write: list[int] = []
         compare: list[int] = []
@@ -185,19 +201,25 @@ _MISSING = object()
 
 
 def _same_items(a: Any, b: Any) -> bool:
-    """Two snapshots of a container hold the same keys and the very same objects (no tensor ``==``)."""
-    if isinstance(a, tuple):
-        return len(a) == len(b) and all(k == j and v is w for (k, v), (j, w) in zip(a, b, strict=True))
+    """Two snapshots of a container hold the same keys in the same order and the very same objects
+    (no tensor ``==``), tested at C speed."""
+    if isinstance(a, dict):
+        return (
+            len(a) == len(b)
+            and all(map(operator.is_, a, b))
+            and all(map(operator.is_, a.values(), b.values()))
+        )
     return a == b  # sets of names
 
 
 def _contents(container: Any) -> Any:
-    # A tuple: an empty container's contents is the shared empty tuple, no allocation.
-    return tuple(container.items()) if isinstance(container, dict) else frozenset(container)
+    # One object per container (a dict or frozenset copy), not a tuple of item pairs: thousands of
+    # modules' snapshots stay few objects for the garbage collector to traverse.
+    return dict(container) if isinstance(container, dict) else frozenset(container)
 
 
 def _put_back(container: Any, contents: Any) -> None:
-    if not _same_items(_contents(container), contents):
+    if not _same_items(container, contents):
         container.clear()
         container.update(contents)
 
@@ -235,21 +257,27 @@ class _Attributes:
     Thousands of modules then cost one dict copy each, not a dozen."""
 
     def __init__(self, modules: list[torch.nn.Module], params: list[torch.nn.Parameter]) -> None:
-        self.modules = []
-        for m in modules:
-            d = dict(vars(m))
-            machinery = _machinery_keys(d)
-            filled = {k: _contents(d[k]) for k in machinery if d[k]}
-            self.modules.append((m, d, machinery, filled))
-        self.tensor_hooks = [
-            (p, name, hooks, None if hooks is None else _contents(hooks))
-            for p in params
-            for name in ("_backward_hooks", "_post_accumulate_grad_hooks")
-            for hooks in [getattr(p, name, None)]
+        # Parallel lists, not a tuple per module: fewer objects held through the probe (see _Saved).
+        self.modules = modules
+        self.saved = [dict(vars(m)) for m in modules]
+        self.machinery = [_machinery_keys(d) for d in self.saved]
+        self.filled = [
+            {k: _contents(d[k]) for k in keys if d[k]}
+            for d, keys in zip(self.saved, self.machinery, strict=True)
         ]
+        self.params = params
+        # Hook dicts of parameters that have one (most have none: nothing stored for them).
+        self.tensor_hooks = {
+            (i, name): (hooks, _contents(hooks))
+            for i, p in enumerate(params)
+            for name in _TENSOR_HOOKS
+            if (hooks := getattr(p, name, None)) is not None
+        }
 
     def restore(self) -> None:
-        for m, saved, machinery, filled in self.modules:
+        for m, saved, machinery, filled in zip(
+            self.modules, self.saved, self.machinery, self.filled, strict=True
+        ):
             current = vars(m)
             # The usual case, tested at C speed: the same names in the same order bound to the very
             # same objects (never ==: a tensor attribute would compare element-wise).
@@ -272,14 +300,19 @@ class _Attributes:
                     _put_back(container, contents)
                 elif container:  # was empty
                     container.clear()
-        for p, name, hooks, contents in self.tensor_hooks:
-            now = getattr(p, name, None)
-            if now is None:
-                continue
-            if hooks is None:
-                now.clear()  # hooks the step added, on a dict autograd already holds: emptied
-            elif now is hooks:
-                _put_back(hooks, contents)
+        for i, p in enumerate(self.params):
+            for name in _TENSOR_HOOKS:
+                now = getattr(p, name, None)
+                if now is None:
+                    continue
+                saved_hooks = self.tensor_hooks.get((i, name))
+                if saved_hooks is None:
+                    now.clear()  # hooks the step added, on a dict autograd already holds: emptied
+                elif now is saved_hooks[0]:
+                    _put_back(now, saved_hooks[1])
+
+
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
 @dataclass
