@@ -170,7 +170,7 @@ def per_term(
         )
     terms = check_terms(out, declared)
     scenarios = scenarios_for(list(terms))
-    reductions = _Reductions(list(terms), _stacked_values(terms), keep)
+    reductions = _Reductions(list(terms), _stacked_values(terms), keep, sum(p.numel() for p in params))
     forward_seconds = time.perf_counter() - start
 
     needed = [t for t in terms if any(t in s.terms for s in scenarios)]
@@ -226,8 +226,9 @@ class _Reductions:
     few (``_DEFERRED_ELEMENTS``): beyond that they are read at once, so memory stays that of one
     term's gradients and the sums."""
 
-    def __init__(self, terms: list[str], values: torch.Tensor | None, keep: bool) -> None:
+    def __init__(self, terms: list[str], values: torch.Tensor | None, keep: bool, numel: int) -> None:
         self.terms = terms
+        self.numel = numel  # of all parameters: at most what one list of their gradients holds
         self.values = values  # read with the first batch of norms
         self.keep = keep
         self.host_values: dict[str, float | None] | None = None
@@ -253,7 +254,7 @@ class _Reductions:
             known = known or {}
             p = launch([None if i in known else g for i, g in enumerate(grads)] if known else grads)
             self.pending.append((m, p, known))
-            self.elements += p.elements
+            self.elements += self.numel  # an upper bound, without a call per gradient
             self.tensors += len(grads)
         m.seconds = time.perf_counter() - t0
         if self.elements > _DEFERRED_ELEMENTS or self.tensors > _DEFERRED_TENSORS:

@@ -54,11 +54,6 @@ class Pending:
     def __init__(self, grads: Sequence[torch.Tensor | None]) -> None:
         self.grads = grads
 
-    @property
-    def elements(self) -> int:
-        """Elements of the gradients this reduction holds on to until it is read."""
-        return sum(g.numel() for g in self.grads if g is not None)
-
 
 def launch(grads: Sequence[torch.Tensor | None]) -> Pending:
     """A reduction of ``grads`` (see ``reduce_grads``) for ``read`` to finish with others."""
@@ -144,16 +139,14 @@ def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[int
     if len(tensors) < _STACK_MIN:
         return list(range(len(tensors))), torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
     by_shape: dict[torch.Size, list[int]] = {}
-    single: list[int] = []
     for j, t in enumerate(tensors):
-        if t.numel() <= _STACKED_NUMEL:
-            by_shape.setdefault(t.shape, []).append(j)
-        else:
-            single.append(j)
+        by_shape.setdefault(t.shape, []).append(j)
+    single: list[int] = []
     order: list[int] = []
     parts: list[torch.Tensor] = []
     for shape, members in by_shape.items():
-        if len(members) < _STACK_MIN:  # a few: one more call would cost more than it saves
+        # A few of a shape (one more call would cost more than it saves), or big ones (no copy).
+        if len(members) < _STACK_MIN or shape.numel() > _STACKED_NUMEL:
             single.extend(members)
             continue
         numel = max(1, shape.numel())
