@@ -147,8 +147,8 @@ def per_term(
     """One forward, one gradient per term, each scenario a sum of its terms' gradients.
 
     Returns the term names (the declared ones, or those the step returned), the scenarios built from
-    them by ``scenarios_for``, and one measurement per scenario. The reductions of all scenarios and
-    the term values are read to the host together (``_Reductions``).
+    them by ``scenarios_for``, and one measurement per scenario (``_Reductions``: one host copy per
+    scenario, the term values with the first).
     """
     start = time.perf_counter()
     try:
@@ -170,7 +170,7 @@ def per_term(
         )
     terms = check_terms(out, declared)
     scenarios = scenarios_for(list(terms))
-    reductions = _Reductions(list(terms), _stacked_values(terms), keep, sum(p.numel() for p in params))
+    reductions = _Reductions(list(terms), _stacked_values(terms), keep)
     forward_seconds = time.perf_counter() - start
 
     needed = [t for t in terms if any(t in s.terms for s in scenarios)]
@@ -220,21 +220,20 @@ def per_term(
 
 
 class _Reductions:
-    """Measurements whose gradients are reduced on the device as they come and read to the host
-    together: the statuses of every scenario and the term values in one copy per device (a tenth of
-    a millisecond per copy on a small model). Gradients are held until read only while they are
-    few (``_DEFERRED_ELEMENTS``): beyond that they are read at once, so memory stays that of one
-    term's gradients and the sums."""
+    """Measurements whose gradients are reduced as they come, one copy to the host per scenario
+    (per device), the term values riding on the first: the syncs per scenario do not depend on the
+    model. Each term's gradients are read, then released, before the next backward: holding every
+    term's (to read them all at once) would hold tens of thousands of tensors through the next
+    backward at 8,192 parameter tensors, enough to set off a full garbage collection there (0.2 s),
+    and hold more memory."""
 
-    def __init__(self, terms: list[str], values: torch.Tensor | None, keep: bool, numel: int) -> None:
+    def __init__(self, terms: list[str], values: torch.Tensor | None, keep: bool) -> None:
         self.terms = terms
-        self.numel = numel  # of all parameters: at most what one list of their gradients holds
         self.values = values  # read with the first batch of norms
         self.keep = keep
         self.host_values: dict[str, float | None] | None = None
         self.pending: list[tuple[Measurement, Pending, dict[int, Measurement]]] = []
         self.measurements: list[Measurement] = []
-        self.elements = self.tensors = 0
 
     def add(
         self,
@@ -254,11 +253,8 @@ class _Reductions:
             known = known or {}
             p = launch([None if i in known else g for i, g in enumerate(grads)] if known else grads)
             self.pending.append((m, p, known))
-            self.elements += self.numel  # an upper bound, without a call per gradient
-            self.tensors += len(grads)
         m.seconds = time.perf_counter() - t0
-        if self.elements > _DEFERRED_ELEMENTS or self.tensors > _DEFERRED_TENSORS:
-            self.read()
+        self.read()
         return m
 
     def read(self) -> None:
@@ -276,21 +272,11 @@ class _Reductions:
         for m, _, _ in self.pending:
             m.seconds += share
         self.pending.clear()
-        self.elements = self.tensors = 0
         finite = [v for v in self.host_values.values() if v is not None]
         for m in self.measurements:
             m.term_values = dict(self.host_values)
             if m.statuses is not None:
                 m.total = sum(finite) if finite else None
-
-
-# Gradients held for one batched read: below both bounds, every scenario's statuses come back in one
-# copy; above either, each term's are read as they come (one copy per term) and released. The
-# elements bound the memory held; the tensors the objects: tens of thousands of gradients held
-# through the next backward make the garbage collector's full collection run during it (0.2 s at
-# 8,192 tensors), which one read per term avoids.
-_DEFERRED_ELEMENTS = 1 << 20
-_DEFERRED_TENSORS = 1 << 14
 
 
 def _add(acc: Grads | None, grads: Grads, who: list[str | None], term: str) -> Grads:
