@@ -11,6 +11,11 @@ Sections:
   3. compiles per compiled variant: gradprobe's variant against the naive loop with Python-float weights.
   4. host syncs per scenario, at 1x, 4x, 16x the parameter tensors.
   5. memory (peak RSS over a plain training step, fresh process each) and flow-map size.
+  6. models written unlike the wide model (benchmarks/other_models.py): a small functional model
+     (10 tensors) and many tiny blocks in sequence at 512 / 2,048 / 8,192 tensors: probe, naive
+     loop and floor, and the scaling exponent of the probe against the floor's.
+  7. diagnose time on the reference potential: probe vs probe + diagnose, every variant matching
+     and one failing (bisected); the lineage recording on its own line.
 Then one PASS/FAIL line per requirement. Timings: one thread, interleaved rounds (A B C A B C ...),
 the minimum of each; ratios of minima. See docs/benchmarks.md.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -43,6 +49,14 @@ from baselines import (  # noqa: E402
     naive_compiled,
     naive_eager,
 )
+from other_models import (  # noqa: E402
+    BLOCK_TERMS,
+    SMALL_TERMS,
+    blocks_step,
+    make_blocks,
+    make_small,
+    small_step,
+)
 from syncs import SyncCounter  # noqa: E402
 from timing import best, interleaved  # noqa: E402
 from wide_model import TERMS, make_wide, size_of, wide_step  # noqa: E402
@@ -62,6 +76,9 @@ FULL = {
     "sync_width": 16,
     # (branches, width): 1x, 4x, 16x the tensors at the same scalars per tensor, then 4x the scalars.
     "memory_configs": [(128, 128), (512, 128), (2048, 128), (128, 256)],
+    "small_reps": 41,
+    "blocks": {512: 15, 2048: 9, 8192: 5},  # tensors: rounds
+    "diagnose_reps": 5,
 }
 QUICK = {
     "eager_reps_reference": 3,
@@ -72,6 +89,9 @@ QUICK = {
     "sync_branches": (4, 16, 64),
     "sync_width": 4,
     "memory_configs": [(64, 32)],
+    "small_reps": 3,
+    "blocks": {64: 2, 128: 2, 256: 2},
+    "diagnose_reps": 1,
 }
 
 
@@ -116,6 +136,18 @@ def wide_case(n_branches: int, width: int, n_big: int = 0, big_dim: int = 0, bat
     _, batch2 = make_wide(n_branches, width, n_big, big_dim, batch_size, seed=1)
     name = f"wide ({n_branches} branches{f', batch {batch_size}' if batch_size != 8 else ''})"
     return Case(name, model, wide_step, batch, batch2, list(TERMS))
+
+
+def small_case() -> Case:
+    model, batch = make_small()
+    _, batch2 = make_small(seed=1)
+    return Case("small functional (10 tensors)", model, small_step, batch, batch2, list(SMALL_TERMS))
+
+
+def blocks_case(tensors: int) -> Case:
+    model, batch = make_blocks(tensors)
+    _, batch2 = make_blocks(tensors, seed=1)
+    return Case(f"tiny blocks ({tensors // 4} blocks)", model, blocks_step, batch, batch2, list(BLOCK_TERMS))
 
 
 def header(title: str) -> None:
@@ -284,6 +316,73 @@ def memory(configs: list[tuple[int, int]]) -> list[dict[str, Any]]:
     return rows
 
 
+DIAGNOSE_CASES = (
+    ("every variant matches", "eager,make_fx[detach=alias]"),
+    ("make_fx fails (makefx-detach)", "eager,make_fx"),
+)
+
+
+def eager_step_seconds(case: Case, reps: int) -> float:
+    """One eager training step's compute: a forward and a backward of the sum of the terms (min)."""
+
+    def step() -> None:
+        values = case.step(case.model, case.batch)
+        sum(values.values()).backward()
+
+    times = interleaved({"step": step}, reps, before=lambda: case.model.zero_grad(set_to_none=True))
+    case.model.zero_grad(set_to_none=True)
+    return best(times)["step"]
+
+
+def diagnose_timings(case: Case, reps: int) -> list[dict[str, Any]]:
+    """Probe vs probe + diagnose, interleaved, for each variant set of DIAGNOSE_CASES; the lineage
+    seconds (the probe's own record of them) of the fastest diagnosing round."""
+    spec = case.spec
+    rows = []
+    for label, variants in DIAGNOSE_CASES:
+        out: dict[str, Any] = {}
+
+        def diagnosed(variants: str = variants, out: dict[str, Any] = out) -> None:
+            fm = gradprobe.probe(spec, variants=variants, diagnose=True, progress=False)
+            lineage = sum(x.get("seconds", 0.0) for x in fm.evidence.get("lineage", {}).values())
+            out.setdefault("rounds", []).append((lineage, fm))
+
+        fns = {
+            "probe": lambda variants=variants: gradprobe.probe(spec, variants=variants, progress=False),
+            "diagnose": diagnosed,
+        }
+        for fn in fns.values():  # warm-up: the first trace in a process pays for imports
+            fn()
+        out.clear()
+        times = interleaved(fns, reps, before=lambda: case.model.zero_grad(set_to_none=True))
+        fastest = min(range(len(times["diagnose"])), key=times["diagnose"].__getitem__)
+        lineage, fm = out["rounds"][fastest]
+        per_path = {k: x.get("seconds", 0.0) for k, x in fm.evidence.get("lineage", {}).items()}
+        rows.append(
+            {
+                **_timed(case, reps, times),
+                "label": label,
+                "variants": variants,
+                "lineage": lineage,
+                "lineage_per_path": per_path,
+                "bisections": len(fm.bisections),
+                "trials": sum(len(b.get("trials", [])) for b in fm.bisections),
+                "findings": sorted({f.cause for f in fm.findings}),
+                "diagnose_minus_lineage": times["diagnose"][fastest] - lineage,
+            }
+        )
+    case.model.zero_grad(set_to_none=True)
+    return rows
+
+
+def scaling_exponent(rows: list[dict[str, Any]], who: str) -> float:
+    """Least-squares slope of log(time) against log(tensors): 1 is linear in the parameter tensors."""
+    xs = [math.log(r["tensors"]) for r in rows]
+    ys = [math.log(r["best"][who]) for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
 # ------------------------------------------------------------------------------------- report
 
 
@@ -381,6 +480,47 @@ def print_maps(rows: list[dict[str, Any]]) -> None:
     print("count with 4x the scalars per tensor.")
 
 
+def print_other(rows: list[dict[str, Any]]) -> None:
+    print(f"{'model':<32}{'tensors':>8}{'scalars':>9}{'probe s':>10}{'naive s':>10}{'floor s':>10}"
+          f"{'probe/floor':>13}{'naive/probe':>13}{'agree':>7}")  # fmt: skip
+    for r in rows:
+        b = r["best"]
+        print(
+            f"{r['model']:<32}{r['tensors']:>8}{fmt_n(r['scalars']):>9}{b['probe']:>10.4f}{b['naive']:>10.4f}"
+            f"{b['floor']:>10.4f}{b['probe'] / b['floor']:>12.2f}x{b['naive'] / b['probe']:>12.2f}x"
+            f"{'yes' if r['agree'] else 'NO':>7}"
+        )
+    blocks = [r for r in rows if r["model"].startswith("tiny blocks")]
+    if len(blocks) > 1:
+        e_probe, e_floor = scaling_exponent(blocks, "probe"), scaling_exponent(blocks, "floor")
+        print(f"scaling exponent (slope of log time on log tensors, {blocks[0]['tensors']} -> "
+              f"{blocks[-1]['tensors']}): probe {e_probe:.3f}, floor {e_floor:.3f}, naive "
+              f"{scaling_exponent(blocks, 'naive'):.3f}")  # fmt: skip
+    print("small functional: a convolution, a layer norm and two heads through torch.nn.functional, bare")
+    print(
+        "nn.Parameter s; tiny blocks: a ModuleList of (gain, offset, Linear(4, 4)) blocks in sequence, outputs"
+    )
+    print("stacked (benchmarks/other_models.py). Rounds interleaved, minima, as in section 1.")
+
+
+def print_diagnose(rows: list[dict[str, Any]], step_s: float) -> None:
+    print(f"{'variants':<30}{'case':<32}{'probe s':>9}{'+diag s':>9}{'lineage s':>11}"
+          f"{'(diag-lin)/probe':>18}{'bisections':>12}")  # fmt: skip
+    for r in rows:
+        b = r["best"]
+        print(f"{r['variants']:<30}{r['label']:<32}{b['probe']:>9.4f}{b['diagnose']:>9.4f}{r['lineage']:>11.4f}"
+              f"{r['diagnose_minus_lineage'] / b['probe']:>17.2f}x{r['bisections']:>7} ({r['trials']} trials)")  # fmt: skip
+    print(f"eager step of the reference potential (forward + backward of all terms): {step_s:.4f}s")
+    for r in rows:
+        paths = ", ".join(
+            f"{k} {v:.4f}s ({v / step_s:.1f}x a step)" for k, v in r["lineage_per_path"].items()
+        )
+        print(f"lineage, {r['variants']}: {paths}")
+    print("+diag: probe(diagnose=True), the fastest of the interleaved rounds; lineage: the seconds the")
+    print("probe records for its lineage recordings (evidence.lineage.*.seconds) in that round;")
+    print(f"findings: {'; '.join(r['variants'] + ': ' + ', '.join(r['findings']) for r in rows)}")
+
+
 def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
     out = []
     for r in res["eager"]:
@@ -409,15 +549,45 @@ def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
     out.append((ok, "flow-map size proportional to parameter tensors (chars/tensor within 10%): "
                 + ", ".join(f"{m['tensors']}: {x:.0f}" for m, x in zip(maps, per_tensor, strict=False))
                 + f"; 4x scalars at fixed tensors (within 5%): size x{scalars_ratio:.3f}"))  # fmt: skip
+    return out + other_requirements(res)
+
+
+def other_requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
+    """Issue 20: the floor and the naive loop at every size on models unlike the wide one, the scaling
+    exponent, and the cost of a diagnosis that finds nothing."""
+    out = []
+    rows = res["other"]
+    ratios = [(r, r["best"]["probe"] / r["best"]["floor"]) for r in rows]
+    out.append((all(x <= 1.15 for _, x in ratios), "eager probe <= 1.15 x floor at every size: "
+                + ", ".join(f"{r['tensors']} tensors {x:.2f}x" for r, x in ratios)))  # fmt: skip
+    faster = [(r, r["best"]["naive"] / r["best"]["probe"]) for r in rows]
+    out.append((all(x > 1 for _, x in faster), "eager probe faster than the naive loop at every size: "
+                + ", ".join(f"{r['tensors']} tensors {x:.2f}x faster" for r, x in faster)))  # fmt: skip
+    blocks = [r for r in rows if r["model"].startswith("tiny blocks")]
+    e_probe, e_floor = scaling_exponent(blocks, "probe"), scaling_exponent(blocks, "floor")
+    out.append((abs(e_probe - e_floor) <= 0.1 * e_floor, f"probe scaling exponent within 10% of the floor's "
+                f"({blocks[0]['tensors']} -> {blocks[-1]['tensors']} tensors): {e_probe:.3f} vs {e_floor:.3f} "
+                f"({(e_probe / e_floor - 1) * 100:+.1f}%)"))  # fmt: skip
+    clean = res["diagnose"][0]
+    ratio = clean["diagnose_minus_lineage"] / clean["best"]["probe"]
+    out.append((ratio <= 1.5, f"diagnose <= 1.5 x the probe when every variant matches ({clean['variants']}), "
+                f"lineage excluded: {ratio:.2f}x ({clean['bisections']} bisections; lineage "
+                f"{clean['lineage']:.4f}s on its own)"))  # fmt: skip
     return out
 
 
-def profile_probe(cfg: dict[str, Any], top: int = 20) -> None:
-    """cProfile of one eager probe and one floor on the wide model: where the probe's extra time goes."""
+def profile_probe(cfg: dict[str, Any], model: str = "wide", top: int = 20) -> None:
+    """cProfile of one eager probe and one floor (``model``: wide, small, or blocks at the largest
+    size): where the probe's extra time goes."""
     import cProfile
     import pstats
 
-    case = wide_case(**cfg["wide"])
+    if model == "small":
+        case = small_case()
+    elif model == "blocks":
+        case = blocks_case(max(cfg["blocks"]))
+    else:
+        case = wide_case(**cfg["wide"])
     spec = case.spec
     gradprobe.probe(spec)  # warm-up
     for name, fn in (
@@ -449,7 +619,11 @@ def main() -> int:
         help="batch size of the wide model (default 8): more compute per parameter",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="only profile one eager probe and one floor on the wide model"
+        "--profile",
+        nargs="?",
+        const="wide",
+        choices=("wide", "small", "blocks"),
+        help="only profile one eager probe and one floor on one model (default: the wide model)",
     )
     args = parser.parse_args()
     cfg = QUICK if args.quick else FULL
@@ -457,7 +631,7 @@ def main() -> int:
         cfg = {**cfg, "wide": {**cfg["wide"], "batch_size": args.wide_batch}}
     if args.profile:
         torch.set_num_threads(1)
-        profile_probe(cfg)
+        profile_probe(cfg, args.profile)
         return 0
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -503,6 +677,17 @@ def main() -> int:
     more = map_size(wide_case(cfg["sync_branches"][0], 2 * cfg["sync_width"]))  # 4x the scalars per tensor
     res["maps"] = [r for r in res["syncs"] if r["model"].startswith("wide")] + [more]
     print_maps(res["maps"])
+
+    header("6. other model shapes (eager)")
+    res["other"] = [eager_timings(small_case(), cfg["small_reps"])]
+    for tensors, reps in cfg["blocks"].items():
+        res["other"].append(eager_timings(blocks_case(tensors), reps))
+    print_other(res["other"])
+
+    header("7. diagnose time (reference potential)")
+    res["diagnose"] = diagnose_timings(ref, cfg["diagnose_reps"])
+    res["eager_step"] = eager_step_seconds(ref, 3 * cfg["diagnose_reps"])
+    print_diagnose(res["diagnose"], res["eager_step"])
 
     header("requirements")
     checks = requirements(res)

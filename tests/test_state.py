@@ -305,3 +305,42 @@ def test_a_sparse_grad_the_user_holds_is_restored():
     fm = gradprobe.probe(emb, step, torch.tensor([0, 4]))
     assert fm.count("eager", "y only") == (1, 1)
     assert emb.weight.grad is grad and grad.is_sparse and torch.equal(grad.to_dense(), dense)
+
+
+def test_config_values_a_step_edits_in_place_are_put_back():
+    # The config snapshot reads torch's cached values and copies only the mutable ones: an in-place
+    # edit (of a value set before, and of a default never read before the probe) must still be undone.
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    dynamo_config.reorderable_logging_functions = {print}
+    fusion_before = dict(inductor_config.post_grad_fusion_options)
+    limit_before = dynamo_config.recompile_limit
+
+    def editing_step(model, batch):
+        dynamo_config.reorderable_logging_functions.add(len)
+        inductor_config.post_grad_fusion_options["gradprobe_test"] = {}
+        dynamo_config.recompile_limit = limit_before + 5
+        return {"a": model(batch).pow(2).mean()}
+
+    try:
+        gradprobe.probe(nn.Linear(2, 1), editing_step, torch.ones(3, 2), progress=False)
+        assert dynamo_config.reorderable_logging_functions == {print}
+        assert dict(inductor_config.post_grad_fusion_options) == fusion_before
+        assert dynamo_config.recompile_limit == limit_before
+    finally:
+        dynamo_config.reorderable_logging_functions = set()
+        inductor_config.post_grad_fusion_options = fusion_before
+        dynamo_config.recompile_limit = limit_before
+
+
+def test_flush_denormal_set_by_a_step_is_put_back():
+    def flushing_step(model, batch):
+        torch.set_flush_denormal(True)
+        return {"a": model(batch).pow(2).mean()}
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("flush-denormal is not supported on this CPU")
+    gradprobe.probe(nn.Linear(2, 1), flushing_step, torch.ones(3, 2), progress=False)
+    tiny = torch.full((1,), 1e-310, dtype=torch.float64)
+    assert (tiny * 1.0).item() != 0.0, "denormals still flushed after the probe"

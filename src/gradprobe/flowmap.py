@@ -614,7 +614,7 @@ def _cell_maker() -> Any:
     return make
 
 
-_make_cell = _cell_maker()
+_make_cell = make_cell = _cell_maker()  # make_cell: for the probe's own cells
 
 
 def _expect(r: _Fields) -> dict[str, dict[str, list[str]]]:

@@ -28,7 +28,8 @@ from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .scenarios import Scenario
 from .state import reseed
-from .status import reduce_grads
+from .status import Pending, launch, reduce_grads
+from .status import read as read_reductions
 from .step import Weights, check_terms, check_total, make_weights, metrics_of
 
 Grads = list[torch.Tensor | None]
@@ -189,18 +190,23 @@ def no_grad_path(what: str) -> RunError:
 
 def _host_values(values: dict[str, torch.Tensor]) -> dict[str, float | None]:
     """Term values on the host with one device-to-host copy."""
-    if not values:
+    stacked = _stacked_values(values)
+    if stacked is None:
         return {}
-    flat = torch.stack(
+    return dict(zip(values, stacked.cpu().tolist(), strict=True))
+
+
+def _stacked_values(values: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The term values as one 1-D tensor on the first value's device (float64 where a value is)."""
+    if not values:
+        return None
+    device = next(iter(values.values())).device
+    return torch.stack(
         [
-            v.detach()
-            .reshape(())
-            .to(torch.float64 if v.dtype == torch.float64 else torch.float32)
-            .to(next(iter(values.values())).device)
+            v.detach().reshape(()).to(torch.float64 if v.dtype == torch.float64 else torch.float32).to(device)
             for v in values.values()
         ]
     )
-    return dict(zip(values, flat.cpu().tolist(), strict=True))
 
 
 def per_term(
@@ -213,7 +219,8 @@ def per_term(
     """One forward, one gradient per term, each scenario a sum of its terms' gradients.
 
     Returns the term names (the declared ones, or those the step returned), the scenarios built from
-    them by ``scenarios_for``, and one measurement per scenario.
+    them by ``scenarios_for``, and one measurement per scenario (``_Reductions``: one host copy per
+    scenario, the term values with the first).
     """
     start = time.perf_counter()
     try:
@@ -235,7 +242,7 @@ def per_term(
         )
     terms = check_terms(out, declared)
     scenarios = scenarios_for(list(terms))
-    values = _host_values(terms)
+    reductions = _Reductions(list(terms), _stacked_values(terms), keep)
     forward_seconds = time.perf_counter() - start
 
     needed = [t for t in terms if any(t in s.terms for s in scenarios)]
@@ -262,108 +269,142 @@ def per_term(
                 error = run_error("backward", e)
         for s in scenarios:
             if s.terms == (t,):
-                results[s.name] = by_term[t] = _reduced(s.name, grads, error, values, t0, keep)
+                results[s.name] = by_term[t] = reductions.add(s.name, grads, error, t0)
         for s in multi:
             if t not in s.terms:
                 continue
             if error is not None and error.type != "NoGradPath":
                 acc_error[s.name] = acc_error[s.name] or error
             elif grads is not None:
-                acc[s.name] = _add(acc[s.name], grads)
-                who = alone[s.name]
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        who[i] = t if who[i] is None else _SUMMED
+                acc[s.name] = _add(acc[s.name], grads, alone[s.name], t)
         del grads
     for s in multi:
         t0 = time.perf_counter()
         error = acc_error[s.name]
         if error is None and acc[s.name] is None:
             error = no_grad_path(f"no term of scenario {s.name!r}")
-        results[s.name] = _reduced(
-            s.name,
-            acc.pop(s.name) if error is None else None,
-            error,
-            values,
-            t0,
-            keep,
-            _known(alone[s.name], by_term),
-        )
+        summed = acc.pop(s.name) if error is None else None
+        results[s.name] = reductions.add(s.name, summed, error, t0, _known(alone[s.name], by_term))
+    reductions.read()
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
     return list(terms), scenarios, [results[s.name] for s in scenarios]
 
 
-def _add(acc: Grads | None, grads: Grads) -> Grads:
-    """``acc + grads`` where None is "no gradient" (None + g = g).
+class _Reductions:
+    """Measurements whose gradients are reduced as they come, one copy to the host per scenario
+    (per device), the term values riding on the first: the syncs per scenario do not depend on the
+    model. Each term's gradients are read, then released, before the next backward: holding every
+    term's (to read them all at once) would hold tens of thousands of tensors through the next
+    backward at 8,192 parameter tensors, enough to set off a full garbage collection there (0.2 s),
+    and hold more memory."""
 
-    The accumulator holds only gradprobe's own tensors: a gradient entering the sum is copied first,
-    because autograd may return a tensor someone else holds (a custom ``backward`` that hands back a
-    saved tensor of the user's batch, the same tensor for two parameters, an expanded view). The copy
-    costs no peak memory: the term's gradients are freed after they entered the sums. Dense pairs are
-    added in place in one batched call; a sparse gradient (``nn.Embedding(sparse=True)``) or a mix of
-    layouts is added out of place.
+    def __init__(self, terms: list[str], values: torch.Tensor | None, keep: bool) -> None:
+        self.terms = terms
+        self.values = values  # read with the first batch of norms
+        self.keep = keep
+        self.host_values: dict[str, float | None] | None = None
+        self.pending: list[tuple[Measurement, Pending, dict[int, Measurement]]] = []
+        self.measurements: list[Measurement] = []
+
+    def add(
+        self,
+        name: str,
+        grads: Grads | None,
+        error: RunError | None,
+        t0: float,
+        known: dict[int, Measurement] | None = None,
+    ) -> Measurement:
+        """A measurement of ``grads`` (``known``: parameters whose status and norm are another
+        pending or read measurement's, taken from it instead of reduced again)."""
+        m = Measurement(name, error=error)
+        self.measurements.append(m)
+        if grads is not None and error is None:
+            if self.keep:
+                m.grads = grads
+            known = known or {}
+            p = launch([None if i in known else g for i, g in enumerate(grads)] if known else grads)
+            self.pending.append((m, p, known))
+        m.seconds = time.perf_counter() - t0
+        self.read()
+        return m
+
+    def read(self) -> None:
+        """Statuses and norms of every pending measurement; the term values and totals of all."""
+        t0 = time.perf_counter()
+        results, values = read_reductions([p for _, p, _ in self.pending], self.values)
+        if self.host_values is None:
+            self.host_values = dict(zip(self.terms, values or [], strict=True))
+            self.values = None
+        for (m, _, known), (statuses, norms) in zip(self.pending, results, strict=True):
+            for i, other in known.items():  # read before: added earlier
+                statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
+            m.statuses, m.norms = statuses, norms
+        share = (time.perf_counter() - t0) / max(1, len(self.pending))
+        for m, _, _ in self.pending:
+            m.seconds += share
+        self.pending.clear()
+        finite = [v for v in self.host_values.values() if v is not None]
+        for m in self.measurements:
+            m.term_values = dict(self.host_values)
+            if m.statuses is not None:
+                m.total = sum(finite) if finite else None
+
+
+def _add(acc: Grads | None, grads: Grads, who: list[str | None], term: str) -> Grads:
+    """``acc + grads`` where None is "no gradient" (None + g = g), never in place; ``who[i]`` records
+    which term the sum at ``i`` holds unchanged (``term`` where it is the first, ``_SUMMED`` once a
+    second one is added), in the same pass.
+
+    A gradient entering an empty slot is held as it is, not copied: autograd may return a tensor
+    someone else holds (a custom ``backward`` that hands back a saved tensor of the user's batch, the
+    same tensor for two parameters, an expanded view), so nothing is ever written into a slot; a
+    second gradient makes a new tensor (one batched out-of-place add for the dense pairs). Most
+    parameters are reached by one term: their slots cost nothing (no copy of thousands of
+    gradients). A sparse gradient (``nn.Embedding(sparse=True)``) or a mix of layouts is added on its
+    own.
     """
     if acc is None:
-        acc = [None] * len(grads)
-    dense: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, g in enumerate(grads):
+            if g is not None:
+                who[i] = term
+        return list(grads)
+    dense: list[int] = []
+    strided = torch.strided
     for i, g in enumerate(grads):
         if g is None:
             continue
         a = acc[i]
         if a is None:
-            acc[i] = g.clone()  # a fresh, dense (or sparse) tensor of gradprobe's own
-        elif a.layout == torch.strided and g.layout == torch.strided:
-            dense.append((a, g))
+            acc[i] = g
+            who[i] = term
+            continue
+        who[i] = _SUMMED
+        if a.layout == strided and g.layout == strided:
+            dense.append(i)
         else:
-            # Sparse + sparse, or a mix, out of place: a new tensor. A dense tensor goes first
-            # (sparse + dense has no kernel; dense + sparse has).
-            acc[i] = g + a if g.layout == torch.strided else a + g
+            # Sparse + sparse, or a mix: a dense tensor goes first (sparse + dense has no kernel;
+            # dense + sparse has).
+            acc[i] = g + a if g.layout == strided else a + g
     if dense:
-        torch._foreach_add_([a for a, _ in dense], [g for _, g in dense])  # type: ignore[misc]
+        sums = torch._foreach_add([acc[i] for i in dense], [grads[i] for i in dense])  # type: ignore[misc]
+        for i, total in zip(dense, sums, strict=True):
+            acc[i] = total
     return acc
 
 
 _SUMMED = "\0summed"  # not a term name: a term name is a str the step returned, never this one
 
 
-def _known(
-    alone: list[str | None], by_term: Mapping[str, Measurement]
-) -> dict[int, tuple[str, float | None]]:
-    """Statuses and norms a sum shares with one term: where only that term reached the parameter, the
-    sum's gradient is that term's gradient (the same values), already reduced on its own."""
-    known: dict[int, tuple[str, float | None]] = {}
+def _known(alone: list[str | None], by_term: Mapping[str, Measurement]) -> dict[int, Measurement]:
+    """Parameters whose status and norm a sum shares with one term: where only that term reached the
+    parameter, the sum's gradient is that term's gradient (the same values), reduced on its own."""
+    known: dict[int, Measurement] = {}
     for i, t in enumerate(alone):
         m = by_term.get(t) if t is not None and t != _SUMMED else None
-        if m is not None and m.statuses is not None and m.norms is not None:
-            known[i] = (m.statuses[i], m.norms[i])
+        if m is not None and m.error is None:
+            known[i] = m
     return known
-
-
-def _reduced(
-    name: str,
-    grads: Grads | None,
-    error: RunError | None,
-    values: dict[str, float | None],
-    t0: float,
-    keep: bool,
-    known: Mapping[int, tuple[str, float | None]] | None = None,
-) -> Measurement:
-    m = Measurement(name, term_values=dict(values), error=error)
-    if grads is not None and error is None:
-        if known:
-            statuses, norms = reduce_grads([None if i in known else g for i, g in enumerate(grads)])
-            for i, (st, nm) in known.items():
-                statuses[i], norms[i] = st, nm
-            m.statuses, m.norms = statuses, norms
-        else:
-            m.statuses, m.norms = reduce_grads(grads)
-        if keep:
-            m.grads = grads
-        finite = [v for v in values.values() if v is not None]
-        m.total = sum(finite) if finite else None
-    m.seconds = time.perf_counter() - t0
-    return m
 
 
 WeightedCall = Callable[[Weights], object]

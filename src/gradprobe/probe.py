@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -23,12 +24,12 @@ from .evidence import compiler_passes
 from .evidence.anomaly import with_double_backward_frames
 from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
-from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
+from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, make_cell, parameter_infos
 from .measure import Measurement, per_scenario, per_term
 from .progress import reporting, stage
 from .scenarios import Scenario, resolve_scenarios
-from .spec import ProbeSpec, resolve_model
-from .state import isolated_settings, preserved, reseed
+from .spec import ProbeSpec, check_values, resolve_model
+from .state import gc_paused, isolated_settings, preserved, reseed
 from .step import make_weights
 from .variants import VariantSpec, parse_variants
 
@@ -125,10 +126,11 @@ def _run_probe(
     diagnose_: bool = False,
     checks: tuple[str, ...] = (),
 ) -> FlowMap:
-    model = resolve_model(spec)
-    named = list(model.named_parameters())
+    model = resolve_model(spec, check=False)
+    named = list(model.named_parameters())  # one walk of the modules, shared by what follows
+    check_values(model, named)
     check_not_inference(spec.batch, named)
-    trainable = [(n, p) for n, p in named if p.requires_grad]
+    trainable = [x for x in named if x[1].requires_grad]  # the same pairs: no new tuple each
     if not trainable:
         raise SpecError(
             f"the model ({type(model).__name__}) has no trainable parameters "
@@ -167,7 +169,7 @@ def _run_probe(
         )
     results_of_checks: dict[str, Any] = {}
     evidence: dict[str, Any] = {}
-    with preserved(model), torch.enable_grad():
+    with preserved(model, [p for _, p in named]), torch.enable_grad():
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
         builds: dict[str, Built] = {}
@@ -175,6 +177,8 @@ def _run_probe(
         # The reference's gradients are kept (one copy per scenario) only when something reads them:
         # another variant, the consistency and balance checks, or the diagnosis.
         keep_ref = len(ordered) > 1 or diagnose_ or "balance" in checks
+        # Nothing but the flow map follows a lone variant: preserved() puts the settings back.
+        alone = len(ordered) == 1 and not diagnose_ and not checks
         for variant in ordered:
             is_ref = variant.name == ref_name
             start = time.perf_counter()
@@ -182,7 +186,7 @@ def _run_probe(
             built: Built | None = None
             watch = watches[variant.name] = Watch()
             observe = _observed(watch, scenarios)
-            with stage(variant.name), watch, isolated_settings(import_configs=not _is_plain_eager(variant)):
+            with stage(variant.name), watch, _isolated(variant, alone):
                 if _is_plain_eager(variant) and mode == "terms":
                     reseed(spec.seed)
                     with watch.window("the eager step"), stage("one forward, a gradient per term"):
@@ -317,11 +321,26 @@ def _run_probe(
             for r in m.results:
                 r.grads = None
 
-    fm = _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
-    fm = replace(
-        fm, bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence
-    )
-    return replace(fm, findings=tuple(diagnose(fm)))
+    with gc_paused():  # tens of thousands of cells: gradprobe's own objects, no user code runs here
+        fm = _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
+        fm = replace(
+            fm,
+            bisections=tuple(bisections),
+            breaks=tuple(breaks),
+            checks=results_of_checks,
+            evidence=evidence,
+        )
+        return replace(fm, findings=tuple(diagnose(fm)))
+
+
+def _isolated(variant: VariantSpec, alone: bool) -> contextlib.AbstractContextManager[Any]:
+    """Settings a variant changes kept from the next variant, the checks and the diagnosis; not needed
+    (a snapshot and a restore of every registered global, a few tenths of a millisecond) for a lone
+    plain-eager variant, whose changes ``preserved`` undoes. A compiled variant is isolated even alone:
+    its isolation also covers compiler configs first imported by the variant itself."""
+    if alone and _is_plain_eager(variant):
+        return contextlib.nullcontext()
+    return isolated_settings(import_configs=not _is_plain_eager(variant))
 
 
 def _observed(watch: Watch, scenarios: Sequence[Scenario]) -> Any:
@@ -545,6 +564,16 @@ def _stochastic_warnings(model: torch.nn.Module, measured: list[_Measured]) -> l
     ]
 
 
+def _reference_cells(
+    variant: str, scenario: str, names: Sequence[str], statuses: Iterable[str], norms: Iterable[float | None]
+) -> Iterator[Cell]:
+    """Cells without a comparison (the reference's, frozen parameters'), built at C speed: ``map``
+    over the names, statuses and norms (thousands of parameters per run)."""
+    return map(
+        make_cell, repeat(variant), repeat(scenario), names, statuses, norms, repeat(None), repeat(None)
+    )
+
+
 def _flow_map(
     spec: ProbeSpec,
     model: torch.nn.Module,
@@ -564,7 +593,8 @@ def _flow_map(
     }  # fmt: skip
     ref_norms_of = {m.scenario: m.norms for x in measured if x.info.name == ref_name for m in x.results}
     numels = [p.numel() for _, p in trainable]
-    runs, cells = [], []
+    runs: list[Run] = []
+    cells: list[Cell] = []
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
@@ -573,19 +603,18 @@ def _flow_map(
             runs.append(run)
             if m.statuses is None or m.norms is None:
                 continue
-            rel = m.rel_errors or [None] * len(trainable_names)
             refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
-            ref_norms = ref_norms_of.get(m.scenario) or [None] * len(trainable_names)
-            noise = (
-                noise_pairs(refs, ref_norms, m.statuses, m.norms, numels, dtype) if refs is not None else None
-            )
-            for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
-                v = None if refs is None or noise is None else verdict(refs[i], st, rel[i], rtol, noise[i])
-                cells.append(
-                    Cell(x.info.name, m.scenario, n, st, nm, rel[i] if refs is not None else None, v)
-                )
+            if refs is None:
+                cells += _reference_cells(x.info.name, m.scenario, trainable_names, m.statuses, m.norms)
+            else:
+                rel = m.rel_errors or [None] * len(trainable_names)
+                ref_norms = ref_norms_of.get(m.scenario) or [None] * len(trainable_names)
+                noise = noise_pairs(refs, ref_norms, m.statuses, m.norms, numels, dtype)
+                for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
+                    v = verdict(refs[i], st, rel[i], rtol, noise[i])
+                    cells.append(make_cell(x.info.name, m.scenario, n, st, nm, rel[i], v))
             # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
-            cells.extend(Cell(x.info.name, m.scenario, n, "none", None) for n in frozen)
+            cells += _reference_cells(x.info.name, m.scenario, frozen, repeat("none"), repeat(None))
     first = trainable[0][1]
     expect = normalized_expect(spec.expect)
     check_against(expect, [s.name for s in scenarios], [n for n, _ in trainable])

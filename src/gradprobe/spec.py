@@ -182,9 +182,10 @@ def infer_mode(step: Callable[..., Any]) -> Literal["terms", "weights"]:
     )
 
 
-def resolve_model(spec: ProbeSpec) -> torch.nn.Module:
+def resolve_model(spec: ProbeSpec, check: bool = True) -> torch.nn.Module:
     """The spec's model, calling the factory if one was given; a model without values (the meta
-    device, uninitialized lazy modules) is refused."""
+    device, uninitialized lazy modules) is refused (``check=False``: the caller runs ``check_values``
+    on the parameters it lists anyway)."""
     model = spec.model
     if not isinstance(model, torch.nn.Module):
         if not callable(model):
@@ -204,7 +205,8 @@ def resolve_model(spec: ProbeSpec) -> torch.nn.Module:
             ) from e
         if not isinstance(model, torch.nn.Module):
             raise SpecError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-    _check_values(model)
+    if check:
+        check_values(model, list(model.named_parameters()))
     return model
 
 
@@ -222,10 +224,11 @@ def _built_seeded(factory: Callable[[], Any], seed: int) -> Any:
         _restore_rng(saved)
 
 
-def _check_values(model: torch.nn.Module) -> None:
+def check_values(model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Every parameter (``named``: the model's, listed once by the caller) and buffer has values."""
     from torch.nn.parameter import is_lazy
 
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in [*named, *model.named_buffers()]:
         if is_lazy(t):
             owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             raise SpecError(

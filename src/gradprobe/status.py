@@ -35,45 +35,138 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[float | None]]:
     """Status and L1 norm of each gradient (``None`` norm where there is no gradient).
 
-    One pass of ``torch._foreach_norm(ord=1)`` per (device, dtype, layout) group, one copy to the host per
-    device: the number of host syncs does not grow with the number of parameters. The status is read
-    from the L1 norm itself: a sum of absolute values is exactly zero only when every value is zero
-    (no underflow: it is never below its largest term), and NaN when any value is NaN. Only an
-    infinite L1 norm is ambiguous (an inf, or a finite sum past the accumulation dtype's range); for
-    those gradients alone the largest absolute value decides, at one more host sync.
+    The L1 norms of each (device, dtype, layout) group are taken in a few batched calls
+    (``_l1_norms``), one copy to the host per device: the number of host syncs does not grow with
+    the number of parameters. The status is read from the L1 norm itself: a sum of absolute values is
+    exactly zero only when every value is zero (no underflow: it is never below its largest term), and
+    NaN when any value is NaN. Only an infinite L1 norm is ambiguous (an inf, or a finite sum past the
+    accumulation dtype's range); for those gradients alone the largest absolute value decides, at one
+    more host sync.
     """
-    statuses: list[str] = [NONE] * len(grads)
-    norms: list[float | None] = [None] * len(grads)
-    present = [i for i, g in enumerate(grads) if g is not None]
-    keys = [(g.device, g.dtype, g.layout) for g in grads if g is not None]
-    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[int]] = {}
-    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype, dense
-        groups[keys[0]] = present
-    else:
-        for i, key in zip(present, keys, strict=True):
-            groups.setdefault(key, []).append(i)
-    per_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    for (device, dtype, layout), idx in groups.items():
-        tensors = [grads[i] for i in idx]
+    (result,), _ = read([launch(grads)])
+    return result
+
+
+class Pending:
+    """One list of gradients to reduce; ``read`` reduces many of them together (one batched norm
+    per (device, dtype, layout) over all of them, one copy to the host per device)."""
+
+    def __init__(self, grads: Sequence[torch.Tensor | None]) -> None:
+        self.grads = grads
+
+
+def launch(grads: Sequence[torch.Tensor | None]) -> Pending:
+    """A reduction of ``grads`` (see ``reduce_grads``) for ``read`` to finish with others."""
+    return Pending(grads)
+
+
+def read(
+    pending: Sequence[Pending], extra: torch.Tensor | None = None
+) -> tuple[list[tuple[list[str], list[float | None]]], list[float] | None]:
+    """(statuses, norms) of each pending reduction, and ``extra`` (a 1-D float tensor, e.g. term
+    values) as floats: the norms of all of them in one batched call per (device, dtype, layout),
+    one device-to-host copy per device."""
+    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[tuple[int, int]]] = {}
+    for k, p in enumerate(pending):
+        for key, idx in _groups(p.grads).items():
+            groups.setdefault(key, []).extend((k, i) for i in idx)
+    per_device: dict[torch.device, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
+    for (device, dtype, layout), where in groups.items():
+        tensors = [pending[k].grads[i] for k, i in where]
         if layout != torch.strided or dtype.is_complex:
             tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
-        l1 = torch.stack(torch._foreach_norm(tensors, 1, dtype=_accumulation_dtype(dtype)))  # type: ignore[arg-type]
-        per_device.setdefault(device, []).append((idx, l1))
-    overflow: list[int] = []
+        order, l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
+        per_device.setdefault(device, []).append(([where[j] for j in order], l1))
+    if extra is not None:
+        per_device.setdefault(extra.device, []).append(([], extra))
+    out = [([NONE] * len(p.grads), [None] * len(p.grads)) for p in pending]
+    overflow: list[list[int]] = [[] for _ in pending]
+    extra_host: list[float] | None = None
+    judge = status_of  # looked up per call: the one place statuses are decided (tests replace it)
     for parts in per_device.values():
-        # One device-to-host copy for all groups on this device, in the widest accumulation dtype
-        # among them (a device holding float64 gradients supports float64).
-        wide = max((p.dtype for _, p in parts), key=lambda d: torch.finfo(d).bits)
-        host = torch.cat([p.to(wide) for _, p in parts]).cpu().tolist()
+        # One device-to-host copy for all parts on this device, in the widest dtype among them (a
+        # device holding float64 tensors supports float64).
+        wide = max((t.dtype for _, t in parts), key=lambda d: torch.finfo(d).bits)
+        host = torch.cat([t.to(wide) for _, t in parts]).cpu().tolist()
         offset = 0
-        for idx, _ in parts:
-            for i, v in zip(idx, host[offset : offset + len(idx)], strict=True):
+        for where, t in parts:
+            values = host[offset : offset + t.numel()]
+            offset += t.numel()
+            if not where and t is extra:
+                extra_host = values
+                continue
+            for (k, i), v in zip(where, values, strict=True):
+                statuses, norms = out[k]
                 norms[i] = v
-                if math.isinf(v):
-                    overflow.append(i)
+                if v == _INF:
+                    overflow[k].append(i)
                 else:
-                    statuses[i] = status_of(v)
-            offset += len(idx)
+                    statuses[i] = judge(v)
+    for p, (statuses, norms), over in zip(pending, out, overflow, strict=True):
+        if over:
+            _recheck_overflow(p.grads, over, statuses, norms)
+    return out, extra_host
+
+
+_INF = math.inf
+
+
+def _groups(
+    grads: Sequence[torch.Tensor | None],
+) -> dict[tuple[torch.device, torch.dtype, torch.layout], list[int]]:
+    """Indices of the present gradients per (device, dtype, layout)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    keys = [(g.device, g.dtype, g.layout) for g in grads if g is not None]
+    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype, dense
+        return {keys[0]: present}
+    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[int]] = {}
+    for i, key in zip(present, keys, strict=True):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+# Gradients of at most this many elements that share a shape are stacked and reduced in one call:
+# ``torch._foreach_norm`` costs about 3 us per tensor on the CPU (a norm kernel launched per tensor),
+# a stack about a tenth of that. Bigger ones go through ``_foreach_norm`` (no copy of big tensors).
+_STACKED_NUMEL = 4096
+_STACK_ELEMENTS = 1 << 22  # elements per stacked chunk: bounds the copy's memory
+_STACK_MIN = 16  # gradients of one shape worth a stack of their own
+
+
+def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[int], torch.Tensor]:
+    """The L1 norm of each of ``tensors`` (same device, dtype and layout), accumulated in ``dtype``:
+    ``(order, norms)``, ``norms[j]`` being that of ``tensors[order[j]]``."""
+    if len(tensors) < _STACK_MIN:
+        return list(range(len(tensors))), torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
+    by_shape: dict[torch.Size, list[int]] = {}
+    for j, t in enumerate(tensors):
+        by_shape.setdefault(t.shape, []).append(j)
+    single: list[int] = []
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for shape, members in by_shape.items():
+        # A few of a shape (one more call would cost more than it saves), or big ones (no copy).
+        if len(members) < _STACK_MIN or shape.numel() > _STACKED_NUMEL:
+            single.extend(members)
+            continue
+        numel = max(1, shape.numel())
+        step = max(1, _STACK_ELEMENTS // numel)
+        for lo in range(0, len(members), step):
+            chunk = members[lo : lo + step]
+            stacked = torch.stack([tensors[j] for j in chunk]).reshape(len(chunk), shape.numel())
+            parts.append(torch.linalg.vector_norm(stacked, 1, dim=1, dtype=dtype))
+            order.extend(chunk)
+    if single:
+        parts.append(torch.stack(torch._foreach_norm([tensors[j] for j in single], 1, dtype=dtype)))
+        order.extend(single)
+    return order, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _recheck_overflow(
+    grads: Sequence[torch.Tensor | None], overflow: list[int], statuses: list[str], norms: list[float | None]
+) -> None:
+    """Statuses and norms of the gradients whose L1 norm came out infinite, from their largest absolute
+    value (one more host sync per device and dtype)."""
     again: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in overflow:
         again.setdefault((grads[i].device, grads[i].dtype), []).append(i)  # type: ignore[union-attr]
@@ -95,7 +188,6 @@ def reduce_grads(grads: Sequence[torch.Tensor | None]) -> tuple[list[str], list[
             statuses[i] = status_of(a)
             if math.isfinite(a):
                 norms[i] = a * r  # inf only past float64's range
-    return statuses, norms
 
 
 def status_of(max_abs: float) -> str:
