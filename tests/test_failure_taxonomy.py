@@ -5,12 +5,11 @@ packages where no small model shows it are in tests/test_real_packages.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
 
 import torch
+from donation import donation
 from torch import nn
 
 import gradprobe
@@ -43,29 +42,17 @@ def _terms(model, x):  # type: ignore[no-untyped-def]
     return {"energy": e.pow(2), "force": f.pow(2).mean()}
 
 
-@contextlib.contextmanager
-def _donation(on: bool) -> Iterator[None]:
-    import torch._functorch.config as functorch_config
-
-    saved = functorch_config.donated_buffer
-    functorch_config.donated_buffer = on
-    try:
-        yield
-    finally:
-        functorch_config.donated_buffer = saved
-
-
 def _warmed_up(ctx):  # type: ignore[no-untyped-def]
     """The model compiled (aot_eager) and trained first with a plain backward (an energy-only epoch, a
     validation pass): its backward is then compiled with donated buffers."""
     on = ctx.knobs.get("donated_buffer", True)
-    with _donation(on):
+    with donation(on):
         compiled = torch.compile(ctx.model, backend="aot_eager")
         x = ctx.batch.detach().requires_grad_(True)  # as the step calls it: no recompile later
         torch.autograd.grad(compiled(x), list(ctx.model.parameters()))
 
     def run(batch, weights):  # type: ignore[no-untyped-def]
-        with _donation(on):
+        with donation(on):
             terms = _terms(compiled, batch)
         return weights["energy"] * terms["energy"] + weights["force"] * terms["force"], terms
 

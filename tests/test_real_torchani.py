@@ -6,13 +6,12 @@ own line. make_fx fails on a data-dependent ``.any()`` in TorchANI. Skips withou
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 pytest.importorskip("torchani")
+
+from donation import donation
 
 import gradprobe
 from gradprobe.variants import user_variant
@@ -64,31 +63,19 @@ def test_the_compiled_model_fails_on_create_graph_tangent_strides_at_torchanis_l
     assert _errors(fm) == ["create-graph-tangent-strides", "data-dependent-trace"]
 
 
-@contextlib.contextmanager
-def _donation(on: bool) -> Iterator[None]:
-    import torch._functorch.config as functorch_config
-
-    saved = functorch_config.donated_buffer
-    functorch_config.donated_buffer = on
-    try:
-        yield
-    finally:
-        functorch_config.donated_buffer = saved
-
-
 def _trained_on_energy_first(ctx):  # type: ignore[no-untyped-def]
     """The model compiled (aot_eager) and first run with a plain backward (an energy-only pass): its
     backward is compiled with donated buffers. ``donated_buffer`` (the knob) is set around the compile
     and every run, aot_eager only, and restored."""
     on = ctx.knobs.get("donated_buffer", True)
-    with _donation(on):
+    with donation(on):
         compiled = torch.compile(ctx.model, backend="aot_eager")
         coords = ctx.batch["coordinates"].clone().requires_grad_(True)
         energies = compiled((ctx.batch["species"], coords)).energies
         torch.autograd.grad(energies.sum(), [p for p in ctx.model.parameters() if p.requires_grad])
 
     def run(batch, weights):  # type: ignore[no-untyped-def]
-        with _donation(on):
+        with donation(on):
             terms = _terms(compiled, batch)
         return weights["energy"] * terms["energy"] + weights["force"] * terms["force"], terms
 
