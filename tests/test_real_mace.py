@@ -53,3 +53,14 @@ def test_the_model_compiled_plainly_trains_energy_and_names_the_double_backward(
         fm.run("make_fx", s).error is None and not fm.differences("make_fx", s) for s in fm.scenario_names
     )
     assert _errors(fm) == ["double-backward-unsupported"]
+
+
+def test_the_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "mace_probe.py"
+    assert runpy.run_path(str(example))["main"](["--backend", "aot_eager", "--plain-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "mace:compile[backend=aot_eager]" in out and "no problem found" in out
+    assert "ERROR double-backward-unsupported" in out and "the create_graph gradient is taken at" in out
