@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .copies import model_copy
 from .errors import GradProbeError
+from .evidence.lineage import tensors_in
 from .optim import Plan, fresh_optimizer, plan
 from .scenarios import Scenario
 from .spec import ProbeSpec
@@ -213,16 +214,14 @@ class _Derivation(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inside = torch._C._current_graph_task_id() != -1
-        if inside or any(
-            isinstance(a, torch.Tensor) and a in self.marked for a in _flat_tensors((args, kwargs))
-        ):
-            for t in _flat_tensors(out):
+        if inside or any(a in self.marked for a in tensors_in((args, kwargs))):
+            for t in tensors_in(out):
                 self.marked[t] = True
         return out
 
-
-def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+    def terms_marked(self, values: Mapping[str, Any], terms: Sequence[str]) -> set[str]:
+        """The terms whose value is a marked tensor: a derivative."""
+        return {t for t in terms if isinstance(values.get(t), torch.Tensor) and values[t] in self.marked}
 
 
 def derivative_terms(call_terms: Callable[[], Mapping[str, Any]], terms: Sequence[str]) -> set[str]:
@@ -230,7 +229,7 @@ def derivative_terms(call_terms: Callable[[], Mapping[str, Any]], terms: Sequenc
     mode = _Derivation()
     with mode:
         values = call_terms()
-    return {t for t in terms if isinstance(values.get(t), torch.Tensor) and values[t] in mode.marked}
+    return mode.terms_marked(values, terms)
 
 
 def _optimizer_audit(
@@ -272,12 +271,7 @@ def _frozen_and_derived(
             ]
             if needed:
                 out[t] = needed
-        derived = (
-            {t for t in terms if isinstance(values.get(t), torch.Tensor) and values[t] in mode.marked}
-            if isinstance(mode, _Derivation)
-            else None
-        )
-        return out, derived
+        return out, mode.terms_marked(values, terms) if isinstance(mode, _Derivation) else None
     finally:
         for _, p in frozen:
             p.requires_grad_(False)

@@ -6,7 +6,7 @@ a rung that raises is another cause), and measured differences in the path itsel
 
 from __future__ import annotations
 
-from ..evidence.compiler_passes import op_name
+from ..evidence.compiler_passes import culprit as culprit_pass
 from ..flowmap import Finding, FlowMap
 from .common import differing, runs_of
 
@@ -38,15 +38,8 @@ def detect(fm: FlowMap) -> list[Finding]:
         if not bad or not lost:
             continue  # no gradient was measured to differ: no finding may claim one
         last = culprit.get("last_good")
-        passes = (b.get("compiler_bisect") or {}).get("result")
-        inside = ""
-        if passes and passes.get("subsystem"):
-            op = op_name(passes.get("debug_info"))
-            inside = (
-                f"; torch's compiler bisector: {passes['backend']}'s {passes['subsystem']}"
-                + (f" #{passes['bisect_number']}" if passes.get("bisect_number") else "")
-                + (f" ({op})" if op else "")
-            )
+        named = culprit_pass(b.get("compiler_bisect"))
+        inside = f"; torch's compiler bisector: {named}" if named else ""
         findings.append(
             Finding(
                 CAUSE,
