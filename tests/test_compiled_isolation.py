@@ -164,3 +164,36 @@ def test_a_double_backward_names_the_line_of_the_create_graph_call():
     assert "the create_graph gradient is taken at potential.py:" in f.message
     assert f.location["line"] == run.error.where["line"]
     assert fm.run("compile_model:aot_eager", "energy only").error is None  # energy still trains compiled
+
+
+def test_a_double_backward_in_an_opaque_user_path_names_its_line():
+    import gradprobe
+    from gradprobe.variants import user_variant
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(6, 3)
+
+    def step(model, x):
+        x = x.clone().requires_grad_(True)
+        e = model(x).sum()
+        (g,) = torch.autograd.grad(e, x, create_graph=True)
+        return {"e": e.square(), "f": g.square().mean()}
+
+    def compiled_forces(ctx):  # the user's own compile: a plain callable, no graph, no counter, no knobs
+        fast = torch.compile(ctx.model, backend="aot_eager")
+
+        def run(x, weights):
+            x = x.clone().requires_grad_(True)
+            e = fast(x).sum()
+            (g,) = torch.autograd.grad(e, x, create_graph=True)  # MY FORCES
+            return weights["e"] * e.square() + weights["f"] * g.square().mean()
+
+        return run
+
+    fm = gradprobe.probe(net, step, x, terms=["e", "f"],
+                         variants=["eager", user_variant("mine", compiled_forces)], progress=False)  # fmt: skip
+    where = fm.run("mine", "f only").error.where
+    assert where["file"].endswith("test_compiled_isolation.py") and "# MY FORCES" in where["code"]
+    (f,) = [f for f in fm.findings if f.cause == "double-backward-unsupported"]
+    assert "# MY FORCES" in f.location["code"]

@@ -123,3 +123,25 @@ def test_cli_expect_with_diagnose_names_the_line(tmp_path, capsys):
     assert saved["expect"] == {"right only": {"reaches": ["stem"], "not_reaches": []}}
     assert main(["run", str(target), "--expect", "right only", "--quiet"]) == 2
     assert "write SCENARIO=PREFIX" in capsys.readouterr().err
+
+
+def test_a_declaration_broken_only_inside_an_opaque_user_path_is_named_there():
+    from gradprobe.variants import user_variant
+
+    def my_trainer(ctx):  # a plain callable: no graph, no counter, no knobs
+        model = ctx.model
+
+        def run(x, weights):
+            a = model.left(torch.relu(model.stem(x)))
+            b = model.right(torch.relu(model.stem(x)).detach())  # the break, in the user's path only
+            return weights["left"] * a.square().mean() + weights["right"] * (b - 1).abs().mean()
+
+        return run
+
+    fm = gradprobe.probe(
+        spec(False, expect=EXPECT, terms=["left", "right"]),
+        variants=["eager", user_variant("my_trainer", my_trainer)], diagnose=True, progress=False,
+    )  # fmt: skip
+    (f,) = [f for f in fm.findings if f.cause == "expectation-unmet"]
+    assert f.evidence["variant"] == "my_trainer" and f.evidence["parameters"] == ["stem.weight", "stem.bias"]
+    assert "detach()" in f.location["code"] and f.location["file"].endswith("test_expect.py")
