@@ -200,9 +200,27 @@ class FlowMap:
     def statuses(self, variant: str, scenario: str) -> dict[str, str]:
         return {p: c.status for p, c in self.cells_of(variant, scenario).items()}
 
+    @cached_property
+    def _by_status(self) -> dict[tuple[str, str], dict[str, list[str]]]:
+        """Per run, the parameters of each status in cell order (one pass over the cells: several
+        detectors ask which parameters are non-finite or reached, for thousands of parameters)."""
+        out: dict[tuple[str, str], dict[str, list[str]]] = {}
+        for key, cells in self._index.items():
+            groups: dict[str, list[str]] = {}
+            out[key] = groups
+            for p, c in cells.items():
+                groups.setdefault(c.status, []).append(p)
+        return out
+
+    def with_status(self, variant: str, scenario: str, *statuses: str) -> list[str]:
+        """Parameters of that run whose status is one of ``statuses``, in cell order (ordered by
+        status first when several are given)."""
+        groups = self._by_status.get((variant, scenario), {})
+        return [p for st in statuses for p in groups.get(st, ())]
+
     def reached(self, variant: str, scenario: str) -> frozenset[str]:
         """Parameters with a non-zero, finite gradient in that run."""
-        return frozenset(p for p, c in self.cells_of(variant, scenario).items() if c.status == NONZERO)
+        return frozenset(self.with_status(variant, scenario, NONZERO))
 
     def count(self, variant: str, scenario: str) -> tuple[int, int]:
         """(reached, trainable) for that run; the pair the summary table shows as ``17/19``."""
@@ -1059,13 +1077,42 @@ def _loads(text: str) -> Any:
 def parameter_infos(named: Iterable[tuple[str, Any]]) -> tuple[ParameterInfo, ...]:
     """ParameterInfo for each (name, parameter) pair."""
     names: dict[Any, str] = {}  # dtype and device names, spelled once each (thousands of parameters)
+    out = []
+    for n, p in named:
+        dtype, device = p.dtype, p.device
+        dtype_name = names.get(dtype)
+        if dtype_name is None:
+            dtype_name = names[dtype] = str(dtype).removeprefix("torch.")
+        device_name = names.get(device)
+        if device_name is None:
+            device_name = names[device] = str(device)
+        out.append(
+            _make_parameter_info(n, tuple(p.shape), p.numel(), p.requires_grad, dtype_name, device_name)
+        )
+    return tuple(out)
 
-    def name_of(x: Any) -> str:
-        if x not in names:
-            names[x] = str(x).removeprefix("torch.")
-        return names[x]
 
-    return tuple(
-        ParameterInfo(n, tuple(p.shape), p.numel(), p.requires_grad, name_of(p.dtype), name_of(p.device))
-        for n, p in named
-    )
+def _parameter_info_maker() -> Any:
+    """``ParameterInfo(...)`` without the frozen dataclass's ``object.__setattr__`` per field (one per
+    parameter tensor of the model, thousands of them), as ``_cell_maker`` does for cells."""
+    fields = ("name", "shape", "numel", "requires_grad", "dtype", "device")
+    assert tuple(ParameterInfo.__slots__) == fields  # type: ignore[attr-defined]
+    sn, ss, sc, sr, sd, sv = (getattr(ParameterInfo, f).__set__ for f in fields)
+    new = object.__new__
+
+    def make(
+        name: str, shape: tuple[int, ...], numel: int, requires_grad: bool, dtype: str, device: str
+    ) -> ParameterInfo:
+        info = new(ParameterInfo)
+        sn(info, name)
+        ss(info, shape)
+        sc(info, numel)
+        sr(info, requires_grad)
+        sd(info, dtype)
+        sv(info, device)
+        return info
+
+    return make
+
+
+_make_parameter_info = _parameter_info_maker()

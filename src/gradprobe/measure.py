@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import operator
 import os
 import re
 import time
@@ -200,13 +201,25 @@ def _stacked_values(values: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The term values as one 1-D tensor on the first value's device (float64 where a value is)."""
     if not values:
         return None
-    device = next(iter(values.values())).device
+    tensors = list(values.values())
+    if (
+        set(map(torch.Tensor.dim, tensors)) == {0}
+        and set(map(_DTYPE, tensors)) <= _WIDE
+        and len(set(map(_DEVICE, tensors))) == 1
+    ):  # the usual case: scalar losses in float32 or float64 on one device, stacked as they are
+        return torch.stack([v.detach() for v in tensors])
+    device = tensors[0].device
     return torch.stack(
         [
             v.detach().reshape(()).to(torch.float64 if v.dtype == torch.float64 else torch.float32).to(device)
             for v in values.values()
         ]
     )
+
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_WIDE = frozenset((torch.float32, torch.float64))
 
 
 def per_term(

@@ -32,6 +32,7 @@ from .spec import ProbeSpec, check_values, resolve_model
 from .state import gc_paused, isolated_settings, preserved, reseed
 from .step import make_weights
 from .variants import VariantSpec, parse_variants
+from .walk import walk
 
 
 def probe(
@@ -127,8 +128,9 @@ def _run_probe(
     checks: tuple[str, ...] = (),
 ) -> FlowMap:
     model = resolve_model(spec, check=False)
-    named = list(model.named_parameters())  # one walk of the modules, shared by what follows
-    check_values(model, named)
+    tree = walk(model)  # one walk of the modules: parameters, buffers and modules for what follows
+    named = tree.parameters
+    check_values(model, named, tree.buffers)
     check_not_inference(spec.batch, named)
     trainable = [x for x in named if x[1].requires_grad]  # the same pairs: no new tuple each
     if not trainable:
@@ -169,7 +171,7 @@ def _run_probe(
         )
     results_of_checks: dict[str, Any] = {}
     evidence: dict[str, Any] = {}
-    with preserved(model, [p for _, p in named]), torch.enable_grad():
+    with preserved(model, [p for _, p in named], tree.modules), torch.enable_grad():
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
         builds: dict[str, Built] = {}
@@ -322,15 +324,15 @@ def _run_probe(
                 r.grads = None
 
     with gc_paused():  # tens of thousands of cells: gradprobe's own objects, no user code runs here
-        fm = _flow_map(spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype)
-        fm = replace(
-            fm,
-            bisections=tuple(bisections),
-            breaks=tuple(breaks),
-            checks=results_of_checks,
-            evidence=evidence,
-        )
-        return replace(fm, findings=tuple(diagnose(fm)))
+        fm = _flow_map(
+            spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype,
+            bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence,
+        )  # fmt: skip
+        # The findings are the map's own reading of itself: set on the map just built, which no one
+        # else holds yet, instead of a second copy of every field (its indexes, built by the
+        # detectors, are kept).
+        object.__setattr__(fm, "findings", tuple(diagnose(fm)))
+        return fm
 
 
 def _isolated(variant: VariantSpec, alone: bool) -> contextlib.AbstractContextManager[Any]:
@@ -471,8 +473,8 @@ def _compare_on(
     most terms among those that ran on the first batch. Term values are compared too: stale forces
     show in the force term's value even where no gradient can be taken.
     """
-    if not scenarios:
-        return {}
+    if not scenarios or not any(m.variant.traced and m.info.name != ref_name for m in measured):
+        return {}  # nothing traced to re-measure (an eager-only probe): no eager run either
     batch2 = with_differentiable_inputs(batch2, spec.differentiable_inputs)
     first = params[0]
     if mode == "terms":
@@ -585,7 +587,9 @@ def _flow_map(
     measured: list[_Measured],
     ref_name: str,
     dtype: str,
+    **evidence: Any,
 ) -> FlowMap:
+    """The flow map of the measured runs; ``evidence``: its bisections, breaks, checks and evidence."""
     trainable_names = [n for n, _ in trainable]
     frozen = [n for n, p in named if not p.requires_grad]
     ref_status = {
@@ -617,7 +621,7 @@ def _flow_map(
             cells += _reference_cells(x.info.name, m.scenario, frozen, repeat("none"), repeat(None))
     first = trainable[0][1]
     expect = normalized_expect(spec.expect)
-    check_against(expect, [s.name for s in scenarios], [n for n, _ in trainable])
+    check_against(expect, [s.name for s in scenarios], trainable_names)
     fm = FlowMap(
         torch_version=torch.__version__,
         device=str(first.device),
@@ -635,5 +639,6 @@ def _flow_map(
         reference=ref_name,
         rtol=tolerance(dtype),
         warnings=tuple(_stochastic_warnings(model, measured)),
+        **evidence,
     )
     return fm

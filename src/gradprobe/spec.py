@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
+import types
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -161,8 +164,21 @@ def _check_fields(spec: ProbeSpec) -> None:
         )
 
 
+# Steps whose mode was read, by identity (inspect.signature costs tens of microseconds a probe).
+_MODES: weakref.WeakKeyDictionary[Any, Literal["terms", "weights"]] = weakref.WeakKeyDictionary()
+
+
 def infer_mode(step: Callable[..., Any]) -> Literal["terms", "weights"]:
     """Two positional parameters: terms mode; three: weights mode."""
+    if isinstance(step, types.FunctionType):  # hashed by identity; a signature read once per function
+        mode = _MODES.get(step)
+        if mode is None:
+            mode = _MODES[step] = _mode_of(step)
+        return mode
+    return _mode_of(step)
+
+
+def _mode_of(step: Callable[..., Any]) -> Literal["terms", "weights"]:
     try:
         params = inspect.signature(step).parameters.values()
     except (TypeError, ValueError) as e:
@@ -224,11 +240,23 @@ def _built_seeded(factory: Callable[[], Any], seed: int) -> Any:
         _restore_rng(saved)
 
 
-def check_values(model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """Every parameter (``named``: the model's, listed once by the caller) and buffer has values."""
+_IS_META = operator.attrgetter("is_meta")
+
+
+def check_values(
+    model: torch.nn.Module,
+    named: list[tuple[str, torch.nn.Parameter]],
+    buffers: list[tuple[str, torch.Tensor]] | None = None,
+) -> None:
+    """Every parameter (``named``: the model's, listed once by the caller) and buffer (``buffers``:
+    ``named_buffers()`` when the caller has listed them) has values."""
     from torch.nn.parameter import is_lazy
 
-    for name, t in [*named, *model.named_buffers()]:
+    tensors = [*named, *(model.named_buffers() if buffers is None else buffers)]
+    values = [t for _, t in tensors]
+    if not any(map(is_lazy, values)) and not any(map(_IS_META, values)):
+        return  # the usual case, tested at C speed
+    for name, t in tensors:
         if is_lazy(t):
             owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             raise SpecError(

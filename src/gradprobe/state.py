@@ -35,6 +35,7 @@ make them.)
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import importlib
 import operator
@@ -42,9 +43,11 @@ import platform
 import random
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Any
 
 import torch
@@ -95,6 +98,28 @@ def _writable(t: torch.Tensor, alias: torch.Tensor) -> bool:
     )
 
 
+_DATA = operator.attrgetter("data")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+_PLAIN_TYPES = frozenset(_PLAIN)
+_SET_TO_DEVICES = frozenset(("cpu", "cuda"))
+
+
+def _all_plain(tensors: list[torch.Tensor], aliases: list[torch.Tensor]) -> bool:
+    """``_writable`` of every tensor, on the CPU or CUDA, strided and contiguous: each test one
+    C-level pass over all of them (a tensor that fails any goes the per-tensor way)."""
+    return (
+        set(map(type, tensors)) <= _PLAIN_TYPES
+        and set(map(type, aliases)) <= {torch.Tensor}
+        and set(map(_LAYOUT, aliases)) <= {torch.strided}
+        and {d.type for d in set(map(_DEVICE, aliases))} <= _SET_TO_DEVICES
+        and not any(map(torch.Tensor.is_conj, aliases))
+        and not any(map(torch.Tensor.is_neg, aliases))
+        and all(map(torch.Tensor.is_contiguous, aliases))
+    )
+
+
 def _changed(current: list[torch.Tensor], copies: list[torch.Tensor]) -> list[bool]:
     """Which tensors' values differ from their copies, found with batched reductions and one host
     sync per device (only for tensors whose values are not simply written back: tensor subclasses,
@@ -136,23 +161,37 @@ class _Saved:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
-        self.aliases = [t.data for t in tensors]
-        # What restore() asks of each alias, decided now: the aliases are gradprobe's own, their
-        # layout, type, conjugation and strides do not change (a few calls per tensor fewer).
-        self.strided = [a.layout == torch.strided for a in self.aliases]
-        self.writable = [_writable(t, a) for t, a in zip(tensors, self.aliases, strict=True)]
-        self.set_to = [a.is_cpu or a.is_cuda for a in self.aliases]  # is_set_to has a kernel there
-        self.all_plain = all(self.strided) and all(self.writable) and all(self.set_to)
+        self.aliases = list(map(_DATA, tensors))
+        self.dtypes = list(map(_DTYPE, self.aliases))
+        # The usual case, decided for all tensors at once at C speed: plain dense tensors on the CPU
+        # or CUDA (``is_set_to`` has a kernel there), neither conjugate nor negative views, contiguous.
+        self.strided: list[bool] = []
+        self.writable: list[bool] = []
+        self.set_to: list[bool] = []
+        self.all_plain = _all_plain(tensors, self.aliases)
+        if not self.all_plain:
+            # What restore() asks of each alias, decided now: the aliases are gradprobe's own, their
+            # layout, type, conjugation and strides do not change (a few calls per tensor fewer).
+            self.strided = [a.layout == torch.strided for a in self.aliases]
+            self.writable = [_writable(t, a) for t, a in zip(tensors, self.aliases, strict=True)]
+            self.set_to = [a.is_cpu or a.is_cuda for a in self.aliases]
+            # Channels-last tensors, say: plain after all, one at a time.
+            self.all_plain = all(self.strided) and all(self.writable) and all(self.set_to)
         self.copies: list[torch.Tensor] = []
         self.flat: list[tuple[list[int], torch.Tensor]] = []
         if self.all_plain:
-            # The usual case: the values of each (device, dtype) group in one flat copy. One object
-            # instead of one per tensor: thousands of copies held through the probe would otherwise
-            # each be traversed by every full garbage collection the user's step triggers.
-            groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-            for i, a in enumerate(self.aliases):
-                groups.setdefault((a.device, a.dtype), []).append(i)
-            for idx in groups.values():
+            # The values of each (device, dtype) group in one flat copy. One object instead of one
+            # per tensor: thousands of copies held through the probe would otherwise each be
+            # traversed by every full garbage collection the user's step triggers.
+            devices = set(map(_DEVICE, self.aliases))
+            if len(devices) <= 1 and len(set(self.dtypes)) <= 1:
+                groups = [list(range(len(self.aliases)))] if self.aliases else []
+            else:
+                by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+                for i, a in enumerate(self.aliases):
+                    by.setdefault((a.device, a.dtype), []).append(i)
+                groups = list(by.values())
+            for idx in groups:
                 group = [self.aliases[i] for i in idx]
                 # A group of one is cloned: flatten_dense_tensors returns a view, not a copy, of it.
                 flat = group[0].clone() if len(group) == 1 else torch._utils._flatten_dense_tensors(group)
@@ -172,10 +211,14 @@ class _Saved:
         through the aliases, whose version counters are their own: a tensor the step left alone keeps
         its ``_version``, so autograd graphs that saved it before the probe stay usable.
         """
-        if self.all_plain:  # one check per tensor, one batched write per group
-            for t, alias in zip(self.tensors, self.aliases, strict=True):
-                if not t.is_set_to(alias) or t.dtype != alias.dtype:
-                    t.data = alias
+        if self.all_plain:  # storage and dtype checked at C speed, one batched write per group
+            if not (
+                all(map(torch.Tensor.is_set_to, self.tensors, self.aliases))
+                and list(map(_DTYPE, self.tensors)) == self.dtypes
+            ):
+                for t, alias in zip(self.tensors, self.aliases, strict=True):
+                    if not t.is_set_to(alias) or t.dtype != alias.dtype:
+                        t.data = alias
             for idx, flat in self.flat:
                 targets = [self.aliases[i] for i in idx]
                 values = [flat] if len(targets) == 1 else torch._utils._unflatten_dense_tensors(flat, targets)
@@ -227,24 +270,39 @@ def _put_back(container: Any, contents: Any) -> None:
 
 
 # Per tuple of attribute names (modules of one class share it): those named like nn.Module's
-# containers. Thousands of modules then cost one lookup each and a type test per container, not a
-# test per attribute.
-_MACHINERY: dict[tuple[str, ...], tuple[str, ...]] = {}
+# containers, and a getter of their values. Thousands of modules then cost one lookup and one C-level
+# call each, not a test per attribute.
+_MACHINERY: dict[tuple[str, ...], tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple[Any, ...]]]] = {}
 _CONTAINER_NAMES = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"))
 _CONTAINERS = (dict, set)  # a tuple: `dict | set` builds a union object per call
+# The exact types nn.Module fills its containers with (hook dicts are OrderedDicts).
+_CONTAINER_TYPES = frozenset((dict, set, OrderedDict))
 
 
-def _machinery_keys(d: dict[str, Any]) -> tuple[str, ...]:
+def _machinery(d: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     """The attributes holding containers nn.Module keeps its parts in (filled in place by
     ``register_*`` and ``setattr``): parameters, buffers, submodules, the non-persistent buffer
-    names, and every hook dict."""
+    names, and every hook dict; and those containers."""
     names = tuple(d)
-    named = _MACHINERY.get(names)
-    if named is None:
+    cached = _MACHINERY.get(names)
+    if cached is None:
         named = tuple(k for k in names if k in _CONTAINER_NAMES or "hooks" in k)
+        getter = (
+            operator.itemgetter(*named) if len(named) > 1 else (lambda x, k=named: tuple(x[n] for n in k))
+        )
+        cached = (named, getter)
         if len(_MACHINERY) < 4096:  # a bound: modules with attributes of their own make new tuples
-            _MACHINERY[names] = named
-    return tuple(k for k in named if isinstance(d[k], _CONTAINERS))
+            _MACHINERY[names] = cached
+    named, getter = cached
+    values = getter(d)
+    if set(map(type, values)) <= _CONTAINER_TYPES:  # the usual case: all of them dicts and sets
+        return named, values
+    keep = [i for i, v in enumerate(values) if isinstance(v, _CONTAINERS)]
+    return tuple(named[i] for i in keep), tuple(values[i] for i in keep)
+
+
+def _dict_values(container: Any) -> Any:
+    return container.values() if isinstance(container, dict) else ()
 
 
 class _Attributes:
@@ -254,35 +312,70 @@ class _Attributes:
     a replaced parameter or submodule, and removes attributes, buffers and hooks the step added.
     Tensor hooks on parameters (``register_hook``, ``register_post_accumulate_grad_hook``) likewise.
 
-    Most of a module's dozen containers (hook dicts) are empty: only the non-empty ones' contents are
-    stored (by name); an empty one is found again through the saved bindings and emptied if filled.
-    Thousands of modules then cost one dict copy each, not a dozen."""
+    The contents are stored flat (every container's length, keys and values in three lists): the
+    usual outcome, nothing changed, is established at C speed by comparing them by identity; only
+    when something differs are the modules restored one by one."""
 
     def __init__(self, modules: list[torch.nn.Module], params: list[torch.nn.Parameter]) -> None:
-        # Parallel lists, not a tuple per module: fewer objects held through the probe (see _Saved).
+        # Flat lists, not objects per module or container: few objects held through the probe (see
+        # _Saved), built and compared by C-level iteration.
         self.modules = modules
         self.saved = [dict(vars(m)) for m in modules]
-        self.machinery = [_machinery_keys(d) for d in self.saved]
-        self.filled = [
-            {k: _contents(d[k]) for k in keys if d[k]}
-            for d, keys in zip(self.saved, self.machinery, strict=True)
-        ]
+        machinery = list(map(_machinery, self.saved))
+        self.machinery = [named for named, _ in machinery]
+        self.containers = list(chain.from_iterable(values for _, values in machinery))
+        self.lengths = list(map(len, self.containers))
+        self.keys = list(chain.from_iterable(self.containers))  # dict keys, set members
+        self.values = list(chain.from_iterable(map(_dict_values, self.containers)))
+        self.binding_lengths = list(map(len, self.saved))
+        self.binding_keys = list(chain.from_iterable(self.saved))
+        self.binding_values = list(chain.from_iterable(map(dict.values, self.saved)))
         self.params = params
         # Hook dicts of parameters that have one (most have none: nothing stored for them).
+        self.hooks_now = [list(map(operator.attrgetter(name), params)) for name in _TENSOR_HOOKS]
         self.tensor_hooks = {
             (i, name): (hooks, _contents(hooks))
-            for i, p in enumerate(params)
-            for name in _TENSOR_HOOKS
-            if (hooks := getattr(p, name, None)) is not None
+            for name, found in zip(_TENSOR_HOOKS, self.hooks_now, strict=True)
+            for i, hooks in enumerate(found)
+            if hooks is not None
         }
 
-    def restore(self) -> None:
-        for m, saved, machinery, filled in zip(
-            self.modules, self.saved, self.machinery, self.filled, strict=True
+    def _unchanged(self) -> bool:
+        """Every binding, container and parameter hook dict as saved (identity only, C speed)."""
+        is_ = operator.is_
+        current = list(map(vars, self.modules))
+        if (
+            list(map(len, current)) != self.binding_lengths
+            or not all(map(is_, chain.from_iterable(current), self.binding_keys))
+            or not all(map(is_, chain.from_iterable(map(dict.values, current)), self.binding_values))
+            or list(map(len, self.containers)) != self.lengths
+            or not all(map(is_, chain.from_iterable(self.containers), self.keys))
+            or not all(map(is_, chain.from_iterable(map(_dict_values, self.containers)), self.values))
         ):
+            return False
+        for name, saved in zip(_TENSOR_HOOKS, self.hooks_now, strict=True):
+            if not all(map(is_, map(operator.attrgetter(name), self.params), saved)):
+                return False
+        return all(_same_items(hooks, contents) for hooks, contents in self.tensor_hooks.values())
+
+    def _saved_contents(self) -> Iterator[Any]:
+        """Each container's contents as saved (a dict, or a frozenset of a set's members), in order."""
+        keys, values = iter(self.keys), iter(self.values)
+        for container, n in zip(self.containers, self.lengths, strict=True):
+            members = list(islice(keys, n))
+            if isinstance(container, dict):
+                yield dict(zip(members, islice(values, n), strict=True))
+            else:
+                yield frozenset(members)
+
+    def restore(self) -> None:
+        if self._unchanged():
+            return
+        contents = self._saved_contents()
+        for m, saved, machinery in zip(self.modules, self.saved, self.machinery, strict=True):
             current = vars(m)
-            # The usual case, tested at C speed: the same names in the same order bound to the very
-            # same objects (never ==: a tensor attribute would compare element-wise).
+            # The same names in the same order bound to the very same objects (never ==: a tensor
+            # attribute would compare element-wise), else the bindings are put back.
             same = (
                 len(current) == len(saved)
                 and all(map(operator.is_, current, saved))
@@ -296,12 +389,7 @@ class _Attributes:
                     if current.get(key, _MISSING) is not value:
                         current[key] = value
             for key in machinery:
-                container = saved[key]
-                contents = filled.get(key)
-                if contents is not None:
-                    _put_back(container, contents)
-                elif container:  # was empty
-                    container.clear()
+                _put_back(saved[key], next(contents))
         for i, p in enumerate(self.params):
             for name in _TENSOR_HOOKS:
                 now = getattr(p, name, None)
@@ -326,14 +414,23 @@ class _ModelState:
     saved: _Saved
 
 
-def _snapshot_model(model: torch.nn.Module, params: list[torch.nn.Parameter] | None = None) -> _ModelState:
+def _snapshot_model(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter] | None = None,
+    modules: list[torch.nn.Module] | None = None,
+) -> _ModelState:
     with gc_paused():
-        return _take_model_snapshot(model, list(model.parameters()) if params is None else params)
+        return _take_model_snapshot(
+            model,
+            list(model.parameters()) if params is None else params,
+            list(model.modules()) if modules is None else modules,
+        )
 
 
-def _take_model_snapshot(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> _ModelState:
+def _take_model_snapshot(
+    model: torch.nn.Module, params: list[torch.nn.Parameter], modules: list[torch.nn.Module]
+) -> _ModelState:
     grads = [p.grad for p in params]
-    modules = list(model.modules())
     buffers = [b for m in modules for b in m._buffers.values() if b is not None]
     tensors: list[torch.Tensor] = [*params, *(g for g in grads if g is not None), *buffers]
     with torch.no_grad():
@@ -384,7 +481,39 @@ def _restore_rng(state: _RngState) -> None:
         torch.cuda.set_rng_state_all(state.cuda)
     random.setstate(state.python)
     if state.numpy is not None:
-        sys.modules["numpy"].random.set_state(state.numpy)
+        _restore_numpy_rng(sys.modules["numpy"], state.numpy)
+
+
+# NumPy's legacy RNG put back by writing its MT19937 state (624 words and a position) through the bit
+# generator's public ctypes address, after a reseed has cleared the cached Gaussian: 3 us instead of
+# set_state's 45 us (its state goes through Python dicts and checks). Only where the saved state had no
+# cached Gaussian, which set_state alone can put back; checked against get_state once per process.
+_NUMPY_FAST: list[bool] = []  # [] not yet checked; [True] or [False]
+_MT_WORDS = 624
+
+
+def _restore_numpy_rng(np: Any, saved: Any) -> None:
+    if _NUMPY_FAST == [False] or saved[0] != "MT19937" or saved[3] != 0:
+        np.random.set_state(saved)
+        return
+    try:
+        address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+        key = np.ascontiguousarray(saved[1], dtype=np.uint32)
+        if key.shape != (_MT_WORDS,):
+            raise ValueError("not an MT19937 key")
+        np.random.seed(0)  # clears the cached Gaussian (has_gauss = 0, gauss = 0.0)
+        ctypes.memmove(address, key.ctypes.data, _MT_WORDS * 4)
+        ctypes.c_int.from_address(address + _MT_WORDS * 4).value = int(saved[2])
+    except Exception:
+        _NUMPY_FAST[:] = [False]
+        np.random.set_state(saved)
+        return
+    if not _NUMPY_FAST:  # once: the state written is the state set_state would have set
+        now = np.random.get_state()
+        same = now[0] == saved[0] and bool((now[1] == saved[1]).all()) and tuple(now[2:]) == tuple(saved[2:])
+        _NUMPY_FAST[:] = [same]
+        if not same:
+            np.random.set_state(saved)
 
 
 # ----- process-wide state: one mechanism ----------------------------------------------------------
@@ -786,12 +915,17 @@ _PROBE_LOCK = threading.RLock()
 
 
 @contextmanager
-def preserved(model: torch.nn.Module, params: list[torch.nn.Parameter] | None = None) -> Iterator[None]:
+def preserved(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter] | None = None,
+    modules: list[torch.nn.Module] | None = None,
+) -> Iterator[None]:
     """Run the body, then put the model and every registered piece of process-wide state (``GLOBALS``:
     settings, RNG streams, mode stacks, hooks, configs) back as they were. Probes in several threads
-    run one at a time. ``params``: ``list(model.parameters())`` when the caller has it already."""
+    run one at a time. ``params`` and ``modules``: ``list(model.parameters())`` and
+    ``list(model.modules())`` when the caller has them already."""
     with _PROBE_LOCK:
-        model_state = _snapshot_model(model, params)
+        model_state = _snapshot_model(model, params, modules)
         saved = _snapshot_globals()
         try:
             yield

@@ -11,6 +11,7 @@ norm of the gradient divided by it, multiplied in float64 on the host.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -66,17 +67,18 @@ def read(
     """(statuses, norms) of each pending reduction, and ``extra`` (a 1-D float tensor, e.g. term
     values) as floats: the norms of all of them in one batched call per (device, dtype, layout),
     one device-to-host copy per device."""
-    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[tuple[int, int]]] = {}
+    # Per (device, dtype, layout): the (pending index, parameter indices) segments it holds.
+    groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[tuple[int, list[int]]]] = {}
     for k, p in enumerate(pending):
         for key, idx in _groups(p.grads).items():
-            groups.setdefault(key, []).extend((k, i) for i in idx)
-    per_device: dict[torch.device, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
-    for (device, dtype, layout), where in groups.items():
-        tensors = [pending[k].grads[i] for k, i in where]
+            groups.setdefault(key, []).append((k, idx))
+    per_device: dict[torch.device, list[tuple[list[tuple[int, list[int]]], torch.Tensor]]] = {}
+    for (device, dtype, layout), segments in groups.items():
+        tensors = [g for k, idx in segments for g in map(pending[k].grads.__getitem__, idx)]
         if layout != torch.strided or dtype.is_complex:
             tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
-        order, l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
-        per_device.setdefault(device, []).append(([where[j] for j in order], l1))
+        l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
+        per_device.setdefault(device, []).append((segments, l1))
     if extra is not None:
         per_device.setdefault(extra.device, []).append(([], extra))
     out = [([NONE] * len(p.grads), [None] * len(p.grads)) for p in pending]
@@ -86,22 +88,32 @@ def read(
     for parts in per_device.values():
         # One device-to-host copy for all parts on this device, in the widest dtype among them (a
         # device holding float64 tensors supports float64).
-        wide = max((t.dtype for _, t in parts), key=lambda d: torch.finfo(d).bits)
-        host = torch.cat([t.to(wide) for _, t in parts]).cpu().tolist()
+        wide = max((t.dtype for _, t in parts), key=_bits)
+        host = (
+            (parts[0][1].to(wide) if len(parts) == 1 else torch.cat([t.to(wide) for _, t in parts]))
+            .cpu()
+            .tolist()
+        )
         offset = 0
-        for where, t in parts:
-            values = host[offset : offset + t.numel()]
-            offset += t.numel()
-            if not where and t is extra:
-                extra_host = values
+        for segments, t in parts:
+            if t is extra and not segments:
+                extra_host = host[offset : offset + t.numel()]
+                offset += t.numel()
                 continue
-            for (k, i), v in zip(where, values, strict=True):
+            for k, idx in segments:
+                values = host[offset : offset + len(idx)]
+                offset += len(idx)
                 statuses, norms = out[k]
-                norms[i] = v
-                if v == _INF:
-                    overflow[k].append(i)
+                judged = list(map(judge, values))
+                if len(idx) == len(norms):  # every parameter has a gradient: idx is 0..n-1
+                    norms[:] = values
+                    statuses[:] = judged
                 else:
-                    statuses[i] = judge(v)
+                    for i, v, st in zip(idx, values, judged, strict=True):
+                        norms[i] = v
+                        statuses[i] = st
+                if _INF in values:  # an inf, or a finite sum past the accumulation dtype: rechecked
+                    overflow[k] += [i for i, v in zip(idx, values, strict=True) if v == _INF]
     for p, (statuses, norms), over in zip(pending, out, overflow, strict=True):
         if over:
             _recheck_overflow(p.grads, over, statuses, norms)
@@ -109,6 +121,19 @@ def read(
 
 
 _INF = math.inf
+_BITS: dict[torch.dtype, int] = {}
+
+
+def _bits(dtype: torch.dtype) -> int:
+    bits = _BITS.get(dtype)
+    if bits is None:
+        bits = _BITS[dtype] = torch.finfo(dtype).bits
+    return bits
+
+
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
 
 
 def _groups(
@@ -116,12 +141,21 @@ def _groups(
 ) -> dict[tuple[torch.device, torch.dtype, torch.layout], list[int]]:
     """Indices of the present gradients per (device, dtype, layout)."""
     present = [i for i, g in enumerate(grads) if g is not None]
-    keys = [(g.device, g.dtype, g.layout) for g in grads if g is not None]
-    if keys and keys.count(keys[0]) == len(keys):  # the usual case: one device, one dtype, dense
-        return {keys[0]: present}
+    if not present:
+        return {}
+    tensors = grads if len(present) == len(grads) else [grads[i] for i in present]
+    # The usual case, tested at C speed: one device, one dtype, dense.
+    devices, dtypes, layouts = (
+        set(map(_DEVICE, tensors)),
+        set(map(_DTYPE, tensors)),
+        set(map(_LAYOUT, tensors)),
+    )
+    if len(devices) == len(dtypes) == len(layouts) == 1:
+        return {(devices.pop(), dtypes.pop(), layouts.pop()): present}
     groups: dict[tuple[torch.device, torch.dtype, torch.layout], list[int]] = {}
-    for i, key in zip(present, keys, strict=True):
-        groups.setdefault(key, []).append(i)
+    for i in present:
+        g = grads[i]
+        groups.setdefault((g.device, g.dtype, g.layout), []).append(i)  # type: ignore[union-attr]
     return groups
 
 
@@ -133,14 +167,16 @@ _STACK_ELEMENTS = 1 << 22  # elements per stacked chunk: bounds the copy's memor
 _STACK_MIN = 16  # gradients of one shape worth a stack of their own
 
 
-def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[int], torch.Tensor]:
-    """The L1 norm of each of ``tensors`` (same device, dtype and layout), accumulated in ``dtype``:
-    ``(order, norms)``, ``norms[j]`` being that of ``tensors[order[j]]``."""
+def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The L1 norm of each of ``tensors`` (same device, dtype and layout), accumulated in ``dtype``,
+    in their order."""
     if len(tensors) < _STACK_MIN:
-        return list(range(len(tensors))), torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
+        return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
     by_shape: dict[torch.Size, list[int]] = {}
-    for j, t in enumerate(tensors):
-        by_shape.setdefault(t.shape, []).append(j)
+    for j, shape in enumerate(map(_SHAPE, tensors)):
+        by_shape.setdefault(shape, []).append(j)
+    if len(by_shape) == len(tensors):  # no two of one shape: nothing to stack
+        return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
     single: list[int] = []
     order: list[int] = []
     parts: list[torch.Tensor] = []
@@ -159,7 +195,17 @@ def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[int
     if single:
         parts.append(torch.stack(torch._foreach_norm([tensors[j] for j in single], 1, dtype=dtype)))
         order.extend(single)
-    return order, parts[0] if len(parts) == 1 else torch.cat(parts)
+    norms = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order == list(range(len(tensors))):
+        return norms
+    # Back in the tensors' order on the device (one gather): the host reads them by position.
+    inverse = [0] * len(order)
+    for position, j in enumerate(order):
+        inverse[j] = position
+    return norms[torch.tensor(inverse, device=norms.device)]
+
+
+_SHAPE = operator.attrgetter("shape")
 
 
 def _recheck_overflow(

@@ -13,10 +13,7 @@ def detect(fm: FlowMap) -> list[Finding]:
     located = [b for b in fm.breaks if b.get("kind") == "nonfinite"]
     findings = []
     for v in fm.variant_names:
-        bad = {
-            s: sorted(p for p, c in fm.cells_of(v, s).items() if c.status in (NAN, INF))
-            for s in fm.scenario_names
-        }
+        bad = {s: sorted(fm.with_status(v, s, NAN, INF)) for s in fm.scenario_names}
         bad = {s: ps for s, ps in bad.items() if ps}
         if not bad:
             continue

@@ -28,11 +28,7 @@ def detect(fm: FlowMap) -> list[Finding]:
     findings = []
     for v in fm.variant_names:
         runs = [r for r in fm.runs if r.variant == v]
-        nonfinite_grads = {
-            r.scenario
-            for r in runs
-            if any(c.status in (NAN, INF) for c in fm.cells_of(v, r.scenario).values())
-        }
+        nonfinite_grads = {r.scenario for r in runs if fm.with_status(v, r.scenario, NAN, INF)}
         values: dict[str, float] = {}  # term -> its first non-finite value
         scenarios: list[str] = []
         for r in runs:
