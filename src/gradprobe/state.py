@@ -301,10 +301,6 @@ def _machinery(d: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return tuple(named[i] for i in keep), tuple(values[i] for i in keep)
 
 
-def _dict_values(container: Any) -> Any:
-    return container.values() if isinstance(container, dict) else ()
-
-
 class _Attributes:
     """Every module's attributes as bindings (a shallow copy of ``__dict__``: which object each name
     holds, not the objects' contents), and the contents of nn.Module's own containers. Restoring puts
@@ -325,8 +321,12 @@ class _Attributes:
         self.machinery = [named for named, _ in machinery]
         self.containers = list(chain.from_iterable(values for _, values in machinery))
         self.lengths = list(map(len, self.containers))
-        self.keys = list(chain.from_iterable(self.containers))  # dict keys, set members
-        self.values = list(chain.from_iterable(map(_dict_values, self.containers)))
+        # Most containers are empty hook dicts, which their lengths cover; only the filled ones'
+        # contents are listed (dict keys and set members, then the dicts' values).
+        self.filled = list(filter(None, self.containers))
+        self.filled_dicts = [c for c in self.filled if isinstance(c, dict)]
+        self.keys = list(chain.from_iterable(self.filled))
+        self.values = list(chain.from_iterable(map(dict.values, self.filled_dicts)))
         self.binding_lengths = list(map(len, self.saved))
         self.binding_keys = list(chain.from_iterable(self.saved))
         self.binding_values = list(chain.from_iterable(map(dict.values, self.saved)))
@@ -349,8 +349,8 @@ class _Attributes:
             or not all(map(is_, chain.from_iterable(current), self.binding_keys))
             or not all(map(is_, chain.from_iterable(map(dict.values, current)), self.binding_values))
             or list(map(len, self.containers)) != self.lengths
-            or not all(map(is_, chain.from_iterable(self.containers), self.keys))
-            or not all(map(is_, chain.from_iterable(map(_dict_values, self.containers)), self.values))
+            or not all(map(is_, chain.from_iterable(self.filled), self.keys))
+            or not all(map(is_, chain.from_iterable(map(dict.values, self.filled_dicts)), self.values))
         ):
             return False
         for name, saved in zip(_TENSOR_HOOKS, self.hooks_now, strict=True):
@@ -362,7 +362,7 @@ class _Attributes:
         """Each container's contents as saved (a dict, or a frozenset of a set's members), in order."""
         keys, values = iter(self.keys), iter(self.values)
         for container, n in zip(self.containers, self.lengths, strict=True):
-            members = list(islice(keys, n))
+            members = list(islice(keys, n))  # an empty container holds nothing in the flat lists
             if isinstance(container, dict):
                 yield dict(zip(members, islice(values, n), strict=True))
             else:
@@ -689,7 +689,9 @@ CONFIG_MODULES = (
 )
 
 
-def _config_values(module: Any, copy_mutable: bool = True) -> dict[str, Any] | None:
+def _config_snapshot(
+    module: Any, copy_mutable: bool = True, keys: list[str] | None = None
+) -> tuple[dict[str, Any], list[str] | None] | None:
     """Every config value of ``module``, mutable ones (lists, sets, dicts) copied (``copy_mutable``;
     a read only to compare with needs no copies).
 
@@ -698,15 +700,22 @@ def _config_values(module: Any, copy_mutable: bool = True) -> dict[str, Any] | N
     (``_get_dict(readonly_values=True)``: a dict copy, updated for the keys set since), exact for the
     immutable values, whose identity changes whenever they are set; the mutable ones are read live
     (an in-place edit, or a first read that materialises a default, does not mark the cache) and
-    copied, shallowly where they hold only immutable items."""
+    copied, shallowly where they hold only immutable items.
+
+    Returns the values and the keys whose values were read live (None: every value was copied);
+    ``keys``: those keys, known from a snapshot taken before (a restore need not scan for them: a key
+    that became mutable since holds another value, which the comparison sees)."""
     try:
         if not _READONLY_CONFIG:
-            return module.get_config_copy()  # a deep copy of the values that are not immutable
+            return module.get_config_copy(), None  # a deep copy of the values that are not immutable
         values = module._get_dict(readonly_values=True)
-        for key in _mutable_keys(module, values):
-            live = _live_value(module, key, values[key])
-            values[key] = _copied(live) if copy_mutable else live
-        return values
+        if keys is None:
+            keys = _mutable_keys(module, values)
+        for key in keys:
+            if key in values:
+                live = _live_value(module, key, values[key])
+                values[key] = _copied(live) if copy_mutable else live
+        return values, keys
     except Exception:  # a value someone set that cannot be copied: leave this module alone
         return None
 
@@ -791,19 +800,20 @@ def _copied(value: Any) -> Any:
 def _read_config(name: str) -> Callable[[], Any]:
     def read() -> Any:
         module = sys.modules.get(name)
-        values = _config_values(module) if hasattr(module, "get_config_copy") else None
-        if values is None:
+        found = _config_snapshot(module) if hasattr(module, "get_config_copy") else None
+        if found is None:
             raise LookupError(name)  # not imported, or not copyable: not saved, not restored
-        return module, values
+        return module, *found
 
     return read
 
 
-def _write_config(saved: tuple[Any, dict[str, Any]]) -> None:
+def _write_config(saved: tuple[Any, dict[str, Any], list[str] | None]) -> None:
     """Each value that differs from the saved one set back (a fresh copy of a mutable one: the saved
     copy must not become the live, editable value)."""
-    module, values = saved
-    current = _config_values(module, copy_mutable=False)
+    module, values, keys = saved
+    found = _config_snapshot(module, copy_mutable=False, keys=keys)
+    current = None if found is None else found[0]
     if current is not None and _same_values(current, values):  # the usual case, compared in C
         return
     for key, value in values.items():

@@ -72,15 +72,17 @@ def read(
     for k, p in enumerate(pending):
         for key, idx in _groups(p.grads).items():
             groups.setdefault(key, []).append((k, idx))
-    per_device: dict[torch.device, list[tuple[list[tuple[int, list[int]]], torch.Tensor]]] = {}
+    per_device: dict[
+        torch.device, list[tuple[list[tuple[int, list[int]]], torch.Tensor, list[int] | None]]
+    ] = {}
     for (device, dtype, layout), segments in groups.items():
         tensors = [g for k, idx in segments for g in map(pending[k].grads.__getitem__, idx)]
         if layout != torch.strided or dtype.is_complex:
             tensors = [_dense(g) for g in tensors]  # type: ignore[arg-type]
-        l1 = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
-        per_device.setdefault(device, []).append((segments, l1))
+        l1, at = _l1_norms(tensors, _accumulation_dtype(dtype))  # type: ignore[arg-type]
+        per_device.setdefault(device, []).append((segments, l1, at))
     if extra is not None:
-        per_device.setdefault(extra.device, []).append(([], extra))
+        per_device.setdefault(extra.device, []).append(([], extra, None))
     out = [([NONE] * len(p.grads), [None] * len(p.grads)) for p in pending]
     overflow: list[list[int]] = [[] for _ in pending]
     extra_host: list[float] | None = None
@@ -88,21 +90,22 @@ def read(
     for parts in per_device.values():
         # One device-to-host copy for all parts on this device, in the widest dtype among them (a
         # device holding float64 tensors supports float64).
-        wide = max((t.dtype for _, t in parts), key=_bits)
-        host = (
-            (parts[0][1].to(wide) if len(parts) == 1 else torch.cat([t.to(wide) for _, t in parts]))
-            .cpu()
-            .tolist()
-        )
+        wide = max((t.dtype for _, t, _ in parts), key=_bits)
+        both = parts[0][1].to(wide) if len(parts) == 1 else torch.cat([t.to(wide) for _, t, _ in parts])
+        host = both.cpu().tolist()
         offset = 0
-        for segments, t in parts:
+        for segments, t, at in parts:
+            group = host[offset : offset + t.numel()]
+            offset += t.numel()
             if t is extra and not segments:
-                extra_host = host[offset : offset + t.numel()]
-                offset += t.numel()
+                extra_host = group
                 continue
+            if at is not None:  # back in the order of the segments' tensors
+                group = [group[at[0]]] if len(at) == 1 else list(operator.itemgetter(*at)(group))
+            start = 0
             for k, idx in segments:
-                values = host[offset : offset + len(idx)]
-                offset += len(idx)
+                values = group[start : start + len(idx)]
+                start += len(idx)
                 statuses, norms = out[k]
                 judged = list(map(judge, values))
                 if len(idx) == len(norms):  # every parameter has a gradient: idx is 0..n-1
@@ -167,16 +170,16 @@ _STACK_ELEMENTS = 1 << 22  # elements per stacked chunk: bounds the copy's memor
 _STACK_MIN = 16  # gradients of one shape worth a stack of their own
 
 
-def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The L1 norm of each of ``tensors`` (same device, dtype and layout), accumulated in ``dtype``,
-    in their order."""
+def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[int] | None]:
+    """The L1 norm of each of ``tensors`` (same device, dtype and layout), accumulated in ``dtype``:
+    ``(norms, at)``, the norm of ``tensors[j]`` being ``norms[at[j]]`` (``at`` None: ``norms[j]``)."""
     if len(tensors) < _STACK_MIN:
-        return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
+        return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype)), None
     by_shape: dict[torch.Size, list[int]] = {}
     for j, shape in enumerate(map(_SHAPE, tensors)):
         by_shape.setdefault(shape, []).append(j)
     if len(by_shape) == len(tensors):  # no two of one shape: nothing to stack
-        return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype))
+        return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype)), None
     single: list[int] = []
     order: list[int] = []
     parts: list[torch.Tensor] = []
@@ -196,13 +199,9 @@ def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         parts.append(torch.stack(torch._foreach_norm([tensors[j] for j in single], 1, dtype=dtype)))
         order.extend(single)
     norms = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if order == list(range(len(tensors))):
-        return norms
-    # Back in the tensors' order on the device (one gather): the host reads them by position.
-    inverse = [0] * len(order)
-    for position, j in enumerate(order):
-        inverse[j] = position
-    return norms[torch.tensor(inverse, device=norms.device)]
+    # The position of each tensor's norm (``order``'s inverse, sorted in C), applied on the host: an
+    # index tensor for a gather on the device would be a copy from the host, which syncs on a GPU.
+    return norms, sorted(range(len(order)), key=order.__getitem__)
 
 
 _SHAPE = operator.attrgetter("shape")
