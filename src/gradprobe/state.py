@@ -47,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from typing import Any
 
 import torch
@@ -99,6 +99,8 @@ def _writable(t: torch.Tensor, alias: torch.Tensor) -> bool:
 
 
 _DATA = operator.attrgetter("data")
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
@@ -168,7 +170,7 @@ class _Saved:
         self.strided: list[bool] = []
         self.writable: list[bool] = []
         self.set_to: list[bool] = []
-        self.all_plain = _all_plain(tensors, self.aliases)
+        self.all_plain = self.contiguous = _all_plain(tensors, self.aliases)
         if not self.all_plain:
             # What restore() asks of each alias, decided now: the aliases are gradprobe's own, their
             # layout, type, conjugation and strides do not change (a few calls per tensor fewer).
@@ -221,8 +223,15 @@ class _Saved:
                         t.data = alias
             for idx, flat in self.flat:
                 targets = [self.aliases[i] for i in idx]
-                values = [flat] if len(targets) == 1 else torch._utils._unflatten_dense_tensors(flat, targets)
-                torch._foreach_copy_(targets, values)
+                if len(targets) == 1:
+                    torch._foreach_copy_(targets, [flat])
+                elif self.contiguous:  # flat views of both sides: no view shaped like each target
+                    flat_targets = list(map(torch.Tensor.view, targets, repeat(-1)))
+                    torch._foreach_copy_(
+                        flat_targets, torch.split(flat, list(map(torch.Tensor.numel, targets)))
+                    )
+                else:
+                    torch._foreach_copy_(targets, torch._utils._unflatten_dense_tensors(flat, targets))
             return
         write: list[int] = []
         compare: list[int] = []
@@ -430,12 +439,12 @@ def _snapshot_model(
 def _take_model_snapshot(
     model: torch.nn.Module, params: list[torch.nn.Parameter], modules: list[torch.nn.Module]
 ) -> _ModelState:
-    grads = [p.grad for p in params]
+    grads = list(map(_GRAD, params))
     buffers = [b for m in modules for b in m._buffers.values() if b is not None]
     tensors: list[torch.Tensor] = [*params, *(g for g in grads if g is not None), *buffers]
     with torch.no_grad():
         saved = _Saved(tensors)
-    return _ModelState(params, [p.requires_grad for p in params], grads, _Attributes(modules, params), saved)
+    return _ModelState(params, list(map(_REQUIRES_GRAD, params)), grads, _Attributes(modules, params), saved)
 
 
 def _restore_model(state: _ModelState) -> None:
@@ -448,6 +457,10 @@ def _write_model_back(state: _ModelState) -> None:
     state.attributes.restore()
     with torch.no_grad():
         state.saved.restore()
+        if list(map(_REQUIRES_GRAD, state.params)) == state.requires_grad and all(
+            map(operator.is_, map(_GRAD, state.params), state.grads)
+        ):
+            return  # the usual case, tested at C speed: flags and .grad objects as they were
         for p, requires_grad, grad in zip(state.params, state.requires_grad, state.grads, strict=True):
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
