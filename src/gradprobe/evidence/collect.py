@@ -11,6 +11,7 @@ Re-uses the probe's reference gradients and re-measures only one failing scenari
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -226,37 +227,60 @@ def bisect_failing(
             continue
         subset = [by_name[failing[0]]]  # one failing scenario re-measured per trial
 
-        def check(v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref) -> tuple[bool, str]:
+        def check(
+            v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref
+        ) -> tuple[bool, str, dict[str, Any]]:
             with isolated_settings(import_configs=True):  # one trial's config changes stay in that trial
                 return _trial(v, subset, is_ref)
 
-        def _trial(v: VariantSpec, subset: list[Scenario], is_ref: bool) -> tuple[bool, str]:
+        def _trial(v: VariantSpec, subset: list[Scenario], is_ref: bool) -> tuple[bool, str, dict[str, Any]]:
             ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
+            start = time.perf_counter()
             built = build(v, ctx)
+            # Where a trial's time goes: the build (make_fx's trace; a torch.compile wrapper is lazy),
+            # dynamo's compile (inside the first run) and the runs themselves.
+            timing = {"build_s": round(time.perf_counter() - start, 4)}
             if built.error is not None:
-                return False, f"{built.error.stage} failed: {built.error.message}"
+                return False, f"{built.error.stage} failed: {built.error.message}", timing
+            start, compiling = time.perf_counter(), _compile_seconds()
             results = per_scenario(
                 lambda w, run=built.run: run(batch, w),  # type: ignore[misc]
                 params, subset, terms, spec.seed,
                 reference=None if is_ref else ref_results, counter=built.counter, isolate=mode == "terms",
             )  # fmt: skip
+            compile_s = _compile_seconds() - compiling
+            timing["compile_s"] = round(compile_s, 4)
+            timing["run_s"] = round(time.perf_counter() - start - compile_s, 4)
             m = results[0]
             if m.error is not None:
-                return False, f"{m.error.stage}: {m.error.message}"
+                return False, f"{m.error.stage}: {m.error.message}", timing
             reached = sum(st == "nonzero" for st in m.statuses or [])
             if is_ref:
                 # Nothing to compare with: the flow is restored when the run works and reaches something.
-                return reached > 0, f"{reached} reached, no error"
+                return reached > 0, f"{reached} reached, no error", timing
             bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
                            numels, dtype)  # fmt: skip
-            return not bad, f"{reached} reached" + (
-                ", differs from the reference" if bad else ", matches the reference"
+            return (
+                not bad,
+                f"{reached} reached" + (", differs from the reference" if bad else ", matches the reference"),
+                timing,
             )
 
         found = bisect(x.variant, failing[:1], check, model_training).to_dict()
         _hand_to_compiler_bisector(found, x.variant, check)
         out.append(found)
     return out
+
+
+def _compile_seconds() -> float:
+    """Seconds dynamo has spent compiling frames in this process (its own metric, bytecode tracing and
+    the backend together): read around a trial's runs, it splits compile from run time whoever called
+    torch.compile. 0 where this torch does not keep the metric."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
 
 
 def _hand_to_compiler_bisector(found: dict[str, Any], failing: VariantSpec, check: Any) -> None:
