@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..build import Built, VariantContext, build
+from ..build import Built, TraceCache, VariantContext, build
 from ..compare import noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
 from ..progress import stage
@@ -27,7 +27,7 @@ from ..state import isolated_settings, reseed
 from ..status import INF, NAN
 from ..step import make_weights
 from ..variants import VariantSpec
-from .bisect import bisect
+from .bisect import bisect, with_knobs
 from .confirm import confirm
 from .lineage import PathLineage, force_eager, merged, record
 
@@ -210,10 +210,31 @@ def bisect_failing(
     dtype: str,
     model_training: bool,
 ) -> list[dict[str, Any]]:
-    """One bisection per variant that fails where the reference does not (or per failing reference)."""
+    """One bisection per variant that fails where the reference does not (or per failing reference).
+
+    What a trial would only repeat is not recomputed: a trial of a variant the probe measured takes
+    the probe's own run of that scenario (the failing variant itself, as the top rung of its backend
+    ladder; a fix the user also asked to measure), and make_fx traces are shared between trials that
+    change only the compile (``build.TraceCache``). The reference's gradients are the probe's.
+    """
     by_name = {s.name: s for s in scenarios}
     numels = [p.numel() for p in params]
+    traces = TraceCache()  # one probe's diagnosis: the model, batch and step stay as they are
     out = []
+
+    def judge(m: Measurement, v: VariantSpec, is_ref: bool) -> tuple[bool, str]:
+        if m.error is not None:
+            return False, f"{m.error.stage}: {m.error.message}"
+        reached = sum(st == "nonzero" for st in m.statuses or [])
+        if is_ref:
+            # Nothing to compare with: the flow is restored when the run works and reaches something.
+            return reached > 0, f"{reached} reached, no error"
+        bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
+                       numels, dtype)  # fmt: skip
+        return not bad, f"{reached} reached" + (
+            ", differs from the reference" if bad else ", matches the reference"
+        )
+
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         is_ref = x.info.name == ref_name
@@ -228,18 +249,31 @@ def bisect_failing(
         subset = [by_name[failing[0]]]  # one failing scenario re-measured per trial
 
         def check(
-            v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref
+            v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref, reuse: bool = True
         ) -> tuple[bool, str, dict[str, Any]]:
+            if reuse:
+                m = _measured_run(measured, v, subset[0].name)
+                if m is not None:
+                    ok, result = judge(m, v, is_ref)
+                    return (
+                        ok,
+                        f"{result} (the probe's own run of {v.name}, re-used)",
+                        {"reused": "measurement"},
+                    )
             with isolated_settings(import_configs=True):  # one trial's config changes stay in that trial
-                return _trial(v, subset, is_ref)
+                return _trial(v, subset, is_ref, traces if reuse else None)
 
-        def _trial(v: VariantSpec, subset: list[Scenario], is_ref: bool) -> tuple[bool, str, dict[str, Any]]:
+        def _trial(
+            v: VariantSpec, subset: list[Scenario], is_ref: bool, traces: TraceCache | None
+        ) -> tuple[bool, str, dict[str, Any]]:
             ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
-            start = time.perf_counter()
-            built = build(v, ctx)
+            start, reused = time.perf_counter(), traces.reused if traces is not None else 0
+            built = build(v, ctx, traces)
             # Where a trial's time goes: the build (make_fx's trace; a torch.compile wrapper is lazy),
             # dynamo's compile (inside the first run) and the runs themselves.
-            timing = {"build_s": round(time.perf_counter() - start, 4)}
+            timing: dict[str, Any] = {"build_s": round(time.perf_counter() - start, 4)}
+            if traces is not None and traces.reused > reused:
+                timing["reused"] = "trace"
             if built.error is not None:
                 return False, f"{built.error.stage} failed: {built.error.message}", timing
             start, compiling = time.perf_counter(), _compile_seconds()
@@ -251,25 +285,28 @@ def bisect_failing(
             compile_s = _compile_seconds() - compiling
             timing["compile_s"] = round(compile_s, 4)
             timing["run_s"] = round(time.perf_counter() - start - compile_s, 4)
-            m = results[0]
-            if m.error is not None:
-                return False, f"{m.error.stage}: {m.error.message}", timing
-            reached = sum(st == "nonzero" for st in m.statuses or [])
-            if is_ref:
-                # Nothing to compare with: the flow is restored when the run works and reaches something.
-                return reached > 0, f"{reached} reached, no error", timing
-            bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
-                           numels, dtype)  # fmt: skip
-            return (
-                not bad,
-                f"{reached} reached" + (", differs from the reference" if bad else ", matches the reference"),
-                timing,
-            )
+            return (*judge(results[0], v, is_ref), timing)
 
         found = bisect(x.variant, failing[:1], check, model_training).to_dict()
-        _hand_to_compiler_bisector(found, x.variant, check)
+        # torch's CompilerBisector re-runs the failing path under changed compiler settings: every
+        # call must really run (no re-used measurement, no shared trace).
+        _hand_to_compiler_bisector(found, x.variant, lambda v: check(v, reuse=False))
         out.append(found)
     return out
+
+
+def _measured_run(measured: Sequence[Any], v: VariantSpec, scenario: str) -> Measurement | None:
+    """The probe's run of ``scenario`` on the variant ``v`` is, if the probe measured it: the same
+    built-in path (same canonical name, once both are normalised), or the very same user variant."""
+    for x in measured:
+        same = (
+            x.variant == v
+            if x.variant.builder is not None or v.builder is not None
+            else with_knobs(x.variant).name == with_knobs(v).name
+        )
+        if same:
+            return next((m for m in x.results if m.scenario == scenario), None)
+    return None
 
 
 def _compile_seconds() -> float:
