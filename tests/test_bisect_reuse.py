@@ -156,3 +156,38 @@ def test_a_failed_trace_is_not_kept(monkeypatch) -> None:
         else:
             raise AssertionError("a symbolic trace of a data-dependent branch should fail")
     assert len(traced) == 2 and cache.traced == 0
+
+
+def _potential(model: nn.Module, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tiny potential: energy of each configuration, forces by autograd.grad(create_graph=True)."""
+    pos = b["inp"].clone().requires_grad_(True)
+    energy = model(pos).sum()
+    (grad,) = torch.autograd.grad(energy, pos, create_graph=True)
+    return {"mse": (energy - b["tgt"].sum()).pow(2), "l1": (-grad - b["tgt"][:, :1]).pow(2).mean()}
+
+
+def _scalar_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_two_compiles_of_one_broken_trace_share_their_make_fx_stage(monkeypatch) -> None:
+    # make_fx keeps the detach nodes it records around autograd.grad(create_graph=True): the force
+    # term comes out wrong (makefx-detach) whatever compiles the trace afterwards.
+    traced = _counting(monkeypatch)
+    eager_c, aot_c = "make_fx+compile:eager", "make_fx+compile:aot_eager"
+    fm = gradprobe.probe(_scalar_model(), _potential, _batch(), variants=f"eager,{eager_c},{aot_c}",
+                         diagnose=True, progress=False)  # fmt: skip
+    first, second = fm.bisections
+    assert (first["variant"], second["variant"]) == (eager_c, aot_c)
+    verdicts = [(t["knob"], t["ok"]) for t in first["trials"]]
+    assert verdicts == [("capture", False), ("detach", True), ("mode", False), ("fix", True)]
+    assert [(t["knob"], t["ok"]) for t in second["trials"]] == verdicts
+    assert first["culprit"]["knob"] == second["culprit"]["knob"] == "detach"
+    assert first["fix"] == {"variant": "make_fx[detach=alias]+compile:eager", "ok": True}
+    assert second["fix"] == {"variant": "make_fx[detach=alias]+compile:aot_eager", "ok": True}
+    # The second bisection ran only its own fix, on the first's detach=alias trace.
+    assert [t.get("reused") for t in first["trials"]] == [None, None, None, "trace"]
+    assert [t.get("reused") for t in second["trials"]] == ["trial", "trial", "trial", "trace"]
+    # One trace per measured variant, then three (keep, alias, eval) for both bisections.
+    assert traced == [eager_c, aot_c, "make_fx", "make_fx[detach=alias]", "make_fx[mode=eval]"]

@@ -220,6 +220,7 @@ def bisect_failing(
     by_name = {s.name: s for s in scenarios}
     numels = [p.numel() for p in params]
     traces = TraceCache()  # one probe's diagnosis: the model, batch and step stay as they are
+    tried: list[tuple[tuple[str, bool], VariantSpec, tuple[bool, str, dict[str, Any]]]] = []
     out = []
 
     def judge(m: Measurement, v: VariantSpec, is_ref: bool) -> tuple[bool, str]:
@@ -260,8 +261,21 @@ def bisect_failing(
                         f"{result} (the probe's own run of {v.name}, re-used)",
                         {"reused": "measurement"},
                     )
+                # Another failing variant's bisection ran this very trial (two compiled variants of
+                # one broken trace share their make_fx stage): same path, scenario and judge.
+                key = (subset[0].name, is_ref)
+                done = next((got for k, u, got in tried if k == key and _same_path(u, v)), None)
+                if done is not None:
+                    return (
+                        done[0],
+                        f"{done[1]} (trial re-used from an earlier bisection)",
+                        {"reused": "trial"},
+                    )
             with isolated_settings(import_configs=True):  # one trial's config changes stay in that trial
-                return _trial(v, subset, is_ref, traces if reuse else None)
+                got = _trial(v, subset, is_ref, traces if reuse else None)
+            if reuse:
+                tried.append(((subset[0].name, is_ref), v, got))
+            return got
 
         def _trial(
             v: VariantSpec, subset: list[Scenario], is_ref: bool, traces: TraceCache | None
@@ -299,14 +313,17 @@ def _measured_run(measured: Sequence[Any], v: VariantSpec, scenario: str) -> Mea
     """The probe's run of ``scenario`` on the variant ``v`` is, if the probe measured it: the same
     built-in path (same canonical name, once both are normalised), or the very same user variant."""
     for x in measured:
-        same = (
-            x.variant == v
-            if x.variant.builder is not None or v.builder is not None
-            else with_knobs(x.variant).name == with_knobs(v).name
-        )
-        if same:
+        if _same_path(x.variant, v):
             return next((m for m in x.results if m.scenario == scenario), None)
     return None
+
+
+def _same_path(a: VariantSpec, b: VariantSpec) -> bool:
+    """Built-in variants by canonical name (knobs at their defaults dropped); a user variant (or an
+    override's rebuilt path) only as the very same spec: same builder, same knobs."""
+    if a.builder is not None or b.builder is not None:
+        return a == b
+    return with_knobs(a).name == with_knobs(b).name
 
 
 def _compile_seconds() -> float:
