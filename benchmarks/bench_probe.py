@@ -407,7 +407,7 @@ def diagnose_timings(
 # (label, variants, rounds, in --quick): a compiled case compiles in every call (dynamo is reset
 # before each), seconds a call, so it gets few rounds.
 REAL_DIAGNOSE_CASES = (
-    ("every variant matches", "eager,compile_model:eager", 2, True),
+    ("every variant matches", "eager,compile_model:eager", 3, True),
     ("make_fx fails (data-dependent)", "eager,make_fx", 5, True),
     ("aot_eager fails (double backward)", "eager,compile_model:aot_eager", 1, False),
 )
@@ -417,16 +417,16 @@ def real_diagnose_timings(case: Case, quick: bool) -> list[dict[str, Any]]:
     """Section 8's rows: ``diagnose_timings`` per case of REAL_DIAGNOSE_CASES, each with its rounds
     (one round and no warm-up in --quick, where the double-backward case is left out).
 
-    The warm-up is one plain probe: the first compile of the package's code in the process costs
-    about a second more than the next (measured: 4.5 s, then 3.2-3.5 s), and with one or two rounds
-    it would land on whichever contender runs first."""
+    The warm-up is one plain probe of the first case: the first compile of the package's code in
+    the process costs about a second more than the next (measured: 4.5 s, then 3.2-3.5 s), and with
+    a few rounds it would land on whichever contender runs first."""
     rows = []
+    if not quick:
+        torch._dynamo.reset()
+        gradprobe.probe(case.spec, variants=REAL_DIAGNOSE_CASES[0][1], progress=False)
     for label, variants, reps, in_quick in REAL_DIAGNOSE_CASES:
         if quick and not in_quick:
             continue
-        if not quick:
-            torch._dynamo.reset()
-            gradprobe.probe(case.spec, variants=variants, progress=False)
         rows += diagnose_timings(case, 1 if quick else reps, ((label, variants),), fresh_compiles=True,
                                  warm_up=False)  # fmt: skip
     return rows
@@ -797,6 +797,7 @@ def main() -> int:
     print_diagnose(res["diagnose"], res["eager_step"])
 
     header("8. diagnose time (real package)")
+    section_start = time.perf_counter()
     real = schnetpack_case()
     if real is None:
         print("skipped: SchNetPack is not installed (scripts/install-real-packages.sh installs it)")
@@ -809,6 +810,7 @@ def main() -> int:
         print_trials(res["diagnose_real"])
         print("dynamo is reset before every call (each round compiles as a first probe in a fresh process")
         print("does); rounds: " + ", ".join(f"{r['variants']} {r['reps']}" for r in res["diagnose_real"]))
+        print(f"section 8 took {time.perf_counter() - section_start:.0f}s")
         del real
 
     header("requirements")
