@@ -378,7 +378,12 @@ def diagnose_timings(
         times = interleaved(fns, reps, before=before)
         fastest = min(range(len(times["diagnose"])), key=times["diagnose"].__getitem__)
         lineage, fm = out["rounds"][fastest]
-        per_path = {k: x.get("seconds", 0.0) for k, x in fm.evidence.get("lineage", {}).items()}
+        # Each path's recording: its minimum over the rounds (one recording a round, tens of ms: the
+        # fastest round's alone swings with the machine's load).
+        per_path: dict[str, float] = {}
+        for _, round_fm in out["rounds"]:
+            for k, x in round_fm.evidence.get("lineage", {}).items():
+                per_path[k] = min(per_path.get(k, math.inf), x.get("seconds", 0.0))
         rows.append(
             {
                 **_timed(case, reps, times),
@@ -576,7 +581,8 @@ def print_diagnose(rows: list[dict[str, Any]], step_s: float, model: str = "the 
     for r in rows:
         b = r["best"]
         print(f"{r['variants']:<30}{r['label']:<36}{b['probe']:>9.4f}{b['diagnose']:>9.4f}{r['lineage']:>11.4f}"
-              f"{r['diagnose_minus_lineage'] / b['probe']:>17.2f}x{r['bisections']:>7} ({r['trials']} trials)")  # fmt: skip
+              f"{r['diagnose_minus_lineage'] / b['probe']:>17.2f}x{r['bisections']:>7} ({r['trials']} trials, "
+              f"{sum(t.get('seconds', 0.0) for t in r['trial_list']):.2f}s)")  # fmt: skip
     print(f"eager step of {model} (forward + backward of all terms): {step_s:.4f}s")
     for r in rows:
         paths = ", ".join(
@@ -584,7 +590,8 @@ def print_diagnose(rows: list[dict[str, Any]], step_s: float, model: str = "the 
         )
         print(f"lineage, {r['variants']}: {paths}")
     print("+diag: probe(diagnose=True), the fastest of the interleaved rounds; lineage: the seconds the")
-    print("probe records for its lineage recordings (evidence.lineage.*.seconds) in that round;")
+    print("probe records for its lineage recordings (evidence.lineage.*.seconds) in that round (per path:")
+    print("each path's fastest recording over the rounds); trials: their recorded seconds in that round;")
     print(f"findings: {'; '.join(r['variants'] + ': ' + ', '.join(r['findings']) for r in rows)}")
 
 
