@@ -6,7 +6,9 @@
   by its knobs, or for a path without knobs by the ``force_eager`` stance and backend overrides;
 * the op whose backward makes NaN, when a reference gradient is non-finite.
 
-Re-uses the probe's reference gradients and re-measures only one failing scenario per trial.
+Re-uses the probe's reference gradients and re-measures only one failing scenario per trial; a trial
+re-uses what its flip cannot change (the probe's run of a measured variant, a make_fx trace, a trial
+an earlier bisection ran) and records its seconds.
 """
 
 from __future__ import annotations
