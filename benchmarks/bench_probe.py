@@ -605,8 +605,9 @@ def print_trials(rows: list[dict[str, Any]]) -> None:
     for t in trials:
         cells = "".join(f"{t[k]:>{w}.3f}" if k in t else f"{'-':>{w}}" for k, w in
                         (("build_s", 9), ("compile_s", 11), ("run_s", 8)))  # fmt: skip
-        print(f"{t['bisected'] + ': ' + t['change']:<58.58}{'yes' if t['ok'] else 'no':>4}{t['seconds']:>8.3f}"
-              f"{cells}  {t.get('reused', '')}")  # fmt: skip
+        line = (f"{t['bisected'] + ': ' + t['change']:<58.58}{'yes' if t['ok'] else 'no':>4}{t['seconds']:>8.3f}"
+                f"{cells}  {t.get('reused', '')}")  # fmt: skip
+        print(line.rstrip())
     print("re-used: trace (make_fx's trace shared by trials that change only the compile); measurement (the")
     print("probe's own run of that variant: no build, no compile)")
 
