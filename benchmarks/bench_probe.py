@@ -412,8 +412,8 @@ def diagnose_timings(
 # (label, variants, rounds, in --quick): a compiled case compiles in every call (dynamo is reset
 # before each), seconds a call, so it gets few rounds.
 REAL_DIAGNOSE_CASES = (
-    ("every variant matches", "eager,compile_model:eager", 3, True),
-    ("make_fx fails (data-dependent)", "eager,make_fx", 5, True),
+    ("every variant matches", "eager,compile_model:eager", 2, True),
+    ("make_fx fails (data-dependent)", "eager,make_fx", 3, True),
     ("aot_eager fails (double backward)", "eager,compile_model:aot_eager", 1, False),
 )
 
