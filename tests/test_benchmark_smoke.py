@@ -4,6 +4,7 @@ Only the structure is checked, not the PASS/FAIL lines: timings on a shared mach
 quick run's sizes are too small for its ratios to mean anything (docs/benchmarks.md).
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ SECTIONS = [
     "== 5. memory and flow-map size ==",
     "== 6. other model shapes (eager) ==",
     "== 7. diagnose time (reference potential) ==",
+    "== 8. diagnose time (real package) ==",
     "== requirements ==",
 ]
 
@@ -40,6 +42,13 @@ def test_quick_benchmark_runs_and_prints_its_sections():
     positions = [out.find(s) for s in SECTIONS]
     assert all(p >= 0 for p in positions), [s for s, p in zip(SECTIONS, positions, strict=True) if p < 0]
     assert positions == sorted(positions), "sections out of order"
+    # Section 8 needs SchNetPack: its table when it is installed, else one line saying it was skipped.
+    real = out[positions[-2] : positions[-1]]
+    if importlib.util.find_spec("schnetpack") is None:
+        assert "skipped: SchNetPack is not installed" in real, real
+    else:
+        assert "eager,compile_model:eager" in real and "lineage, eager,make_fx: eager" in real, real
+        assert "make_fx: detach=keep → alias" in real, real  # the bisection's trials, with their times
     # One PASS or FAIL line per requirement (whatever their verdicts).
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS  ", "FAIL  "))]
     assert len(verdicts) >= 12, out[-3000:]

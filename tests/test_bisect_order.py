@@ -36,3 +36,19 @@ def test_a_capture_failure_is_bisected_without_compiling_and_confirmed_once():
     compiled = [v for v in tried if v.backend is not None]
     assert [v.backend for v in compiled] == ["inductor"] and tried[-1] is compiled[0]
     assert b["culprit"]["knob"] == "detach" and b["fix"]["ok"]
+
+
+def test_a_direct_compile_on_inductor_compiles_inductor_once_to_confirm_the_fix():
+    # compile:inductor breaks the flow, the capture without compile and every cheaper rung do not. The
+    # ladder's inductor rung is the failing variant itself: the probe's own run of it is re-used
+    # (evidence.collect), so the one inductor compile is the verification of the fix.
+    from gradprobe.evidence.collect import _same_path
+
+    (failing,) = parse_variants("compile:inductor")
+    tried, b = _run("compile:inductor", lambda v: v.backend != "inductor" or v.capture == "make_fx")
+    costs = [COST[v.backend] for v in tried]
+    assert costs == sorted(costs), [v.name for v in tried]
+    on_inductor = [v for v in tried if v.backend == "inductor"]
+    assert len(on_inductor) == 2 and _same_path(on_inductor[0], failing)
+    assert on_inductor[1].name == "make_fx[detach=alias]+compile:inductor" and b["fix"]["ok"]
+    assert b["culprit"]["backend"] == "inductor" and b["culprit"]["last_good"] == "aot_eager_decomp_partition"

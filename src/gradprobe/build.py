@@ -250,8 +250,92 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def build(variant: VariantSpec, ctx: VariantContext) -> Built:
-    """Build ``variant`` once. A failure to trace is returned as the build's error, not raised."""
+TRACE_KNOBS = ("mode", "autocast", "tracing_mode", "pre_dispatch", "detach")
+
+
+def trace_key(ctx: VariantContext, variant: VariantSpec) -> tuple[Any, ...]:
+    """Everything a make_fx trace of the step depends on, as a hashable key.
+
+    The capture knobs (not the backend or the compile knobs: the same trace is compiled either way);
+    the modules' train/eval flags ("as-is" traces whatever they are); the step, its contract and
+    terms; each parameter's and buffer's identity, version counter, shape, dtype and device (an
+    in-place change by the user, an optimizer step, bumps the version); the batch's leaves (a tensor
+    by identity, version, shape, dtype, device; a Python value by value: make_fx specialises on it);
+    the weights' values (``pre_dispatch`` freezes trace-time tensors into the graph); grad mode and
+    the default dtype.
+    """
+    from torch.utils._pytree import tree_flatten
+
+    def tensor(t: torch.Tensor) -> tuple[Any, ...]:
+        return (id(t), t._version, tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return tensor(x)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return (type(x).__name__, x)
+        return (type(x).__qualname__, id(x))
+
+    leaves, tree = tree_flatten(ctx.batch)
+    return (
+        tuple(variant.knob(k) for k in TRACE_KNOBS),
+        id(ctx.model),
+        tuple(m.training for m in ctx.model.modules()),
+        id(ctx.step),
+        ctx.mode,
+        tuple(ctx.terms),
+        tuple((n, tensor(t)) for n, t in ctx.model.named_parameters()),
+        tuple((n, tensor(t)) for n, t in ctx.model.named_buffers()),
+        str(tree),
+        tuple(leaf(x) for x in leaves),
+        tuple((t, float(ctx.weights[t])) for t in ctx.terms),
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+    )
+
+
+class TraceCache:
+    """make_fx traces shared between builds that differ only in what is done with the trace (the
+    backend, ``fullgraph``, ``dynamic``, ``donated_buffer``): a bisection's backend ladder and its
+    fix verification re-use one trace instead of tracing per trial.
+
+    Keyed by ``trace_key``. Meant to live for one bisection (one probe's diagnosis): nothing of the
+    user's may change in between, and the key's version counters and identities make a change show
+    anyway. A failed trace is not kept. Every build gets its own GraphModule over the graph:
+    dynamo caches compiled code per code object, and one shared module compiled for several
+    backends would pile up recompiles toward dynamo's limit, past which it silently runs eager.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[Any, ...], torch.fx.GraphModule] = {}
+        self.traced = 0
+        self.reused = 0
+
+    def trace(self, ctx: VariantContext, variant: VariantSpec) -> torch.fx.GraphModule:
+        """The trace for ``variant``: a fresh module over the kept graph, traced on first use."""
+        key = trace_key(ctx, variant)
+        gm = self._graphs.get(key)
+        if gm is None:
+            gm = trace_step(ctx, variant)  # raises on failure: nothing kept
+            self.traced += 1
+            self._graphs[key] = gm
+        else:
+            self.reused += 1
+        return _module_copy(gm)
+
+
+def _module_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over ``gm``'s graph: its own generated code, and so its own dynamo cache.
+    The graph and attributes (a pre_dispatch trace's frozen constants) are shared: nothing of
+    gradprobe's changes them (a backend's passes work on dynamo's graph, not on this one)."""
+    return torch.fx.GraphModule(gm, gm.graph)
+
+
+def build(variant: VariantSpec, ctx: VariantContext, traces: TraceCache | None = None) -> Built:
+    """Build ``variant`` once. A failure to trace is returned as the build's error, not raised.
+
+    ``traces`` (a bisection's): make_fx traces are taken from it, and re-used where only the compile
+    changes (its counters say which builds traced)."""
     from .measure import run_error
 
     device = _device(ctx.model)
@@ -268,7 +352,7 @@ def build(variant: VariantSpec, ctx: VariantContext) -> Built:
 
     if variant.capture == "make_fx":
         try:
-            gm = trace_step(ctx, variant)
+            gm = trace_step(ctx, variant) if traces is None else traces.trace(ctx, variant)
         except Exception as e:
             return Built(error=run_error("trace", e))
         holder_params, holder_buffers = _state(_StepHolder(ctx.model, ctx.weighted()))

@@ -11,6 +11,7 @@ capture stage is tested first, and a compile ladder is only climbed on a capture
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,9 @@ from typing import Any
 from ..progress import stage
 from ..variants import BACKENDS, VariantSpec, canonical_name
 
-# (ok, one-line result) for a variant measured on the failing scenarios.
-Check = Callable[[VariantSpec], tuple[bool, str]]
+# (ok, one-line result) for a variant measured on the failing scenarios; a check may add a third item,
+# a dict merged into the trial's record (how its time split, whether a result or a trace was reused).
+Check = Callable[[VariantSpec], tuple[Any, ...]]
 
 LADDER = ("eager", "aot_eager", "aot_eager_decomp_partition")
 
@@ -76,8 +78,16 @@ def bisect(failing: VariantSpec, scenarios: list[str], check: Check, model_train
 
     def trial(knob: str, change: str, v: VariantSpec) -> bool:
         with stage(f"{failing.name}: trial {len(b.trials) + 1} ({change})"):
-            ok, result = check(v)
-        b.trials.append({"knob": knob, "change": change, "variant": v.name, "ok": ok, "result": result})
+            start = time.perf_counter()
+            got = check(v)
+            seconds = time.perf_counter() - start
+        ok, result = got[0], got[1]
+        # Each trial's wall time is recorded: bisection is most of what diagnose=True costs (issue 20).
+        entry = {"knob": knob, "change": change, "variant": v.name, "ok": ok, "result": result,
+                 "seconds": round(seconds, 4)}  # fmt: skip
+        if len(got) > 2:
+            entry.update(got[2])
+        b.trials.append(entry)
         return ok
 
     base = failing

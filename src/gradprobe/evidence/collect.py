@@ -6,17 +6,20 @@
   by its knobs, or for a path without knobs by the ``force_eager`` stance and backend overrides;
 * the op whose backward makes NaN, when a reference gradient is non-finite.
 
-Re-uses the probe's reference gradients and re-measures only one failing scenario per trial.
+Re-uses the probe's reference gradients and re-measures only one failing scenario per trial; a trial
+re-uses what its flip cannot change (the probe's run of a measured variant, a make_fx trace, a trial
+an earlier bisection ran) and records its seconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..build import Built, VariantContext, build
+from ..build import Built, TraceCache, VariantContext, build
 from ..compare import noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
 from ..progress import stage
@@ -26,7 +29,7 @@ from ..state import isolated_settings, reseed
 from ..status import INF, NAN
 from ..step import make_weights
 from ..variants import VariantSpec
-from .bisect import bisect
+from .bisect import bisect, with_knobs
 from .confirm import confirm
 from .lineage import PathLineage, force_eager, merged, record
 
@@ -209,10 +212,32 @@ def bisect_failing(
     dtype: str,
     model_training: bool,
 ) -> list[dict[str, Any]]:
-    """One bisection per variant that fails where the reference does not (or per failing reference)."""
+    """One bisection per variant that fails where the reference does not (or per failing reference).
+
+    What a trial would only repeat is not recomputed: a trial of a variant the probe measured takes
+    the probe's own run of that scenario (the failing variant itself, as the top rung of its backend
+    ladder; a fix the user also asked to measure), and make_fx traces are shared between trials that
+    change only the compile (``build.TraceCache``). The reference's gradients are the probe's.
+    """
     by_name = {s.name: s for s in scenarios}
     numels = [p.numel() for p in params]
+    traces = TraceCache()  # one probe's diagnosis: the model, batch and step stay as they are
+    tried: list[tuple[tuple[str, bool], VariantSpec, tuple[bool, str, dict[str, Any]]]] = []
     out = []
+
+    def judge(m: Measurement, v: VariantSpec, is_ref: bool) -> tuple[bool, str]:
+        if m.error is not None:
+            return False, f"{m.error.stage}: {m.error.message}"
+        reached = sum(st == "nonzero" for st in m.statuses or [])
+        if is_ref:
+            # Nothing to compare with: the flow is restored when the run works and reaches something.
+            return reached > 0, f"{reached} reached, no error"
+        bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
+                       numels, dtype)  # fmt: skip
+        return not bad, f"{reached} reached" + (
+            ", differs from the reference" if bad else ", matches the reference"
+        )
+
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         is_ref = x.info.name == ref_name
@@ -226,37 +251,92 @@ def bisect_failing(
             continue
         subset = [by_name[failing[0]]]  # one failing scenario re-measured per trial
 
-        def check(v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref) -> tuple[bool, str]:
+        def check(
+            v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref, reuse: bool = True
+        ) -> tuple[bool, str, dict[str, Any]]:
+            if reuse:
+                m = _measured_run(measured, v, subset[0].name)
+                if m is not None:
+                    ok, result = judge(m, v, is_ref)
+                    return (
+                        ok,
+                        f"{result} (the probe's own run of {v.name}, re-used)",
+                        {"reused": "measurement"},
+                    )
+                # Another failing variant's bisection ran this very trial (two compiled variants of
+                # one broken trace share their make_fx stage): same path, scenario and judge.
+                key = (subset[0].name, is_ref)
+                done = next((got for k, u, got in tried if k == key and _same_path(u, v)), None)
+                if done is not None:
+                    return (
+                        done[0],
+                        f"{done[1]} (trial re-used from an earlier bisection)",
+                        {"reused": "trial"},
+                    )
             with isolated_settings(import_configs=True):  # one trial's config changes stay in that trial
-                return _trial(v, subset, is_ref)
+                got = _trial(v, subset, is_ref, traces if reuse else None)
+            if reuse:
+                tried.append(((subset[0].name, is_ref), v, got))
+            return got
 
-        def _trial(v: VariantSpec, subset: list[Scenario], is_ref: bool) -> tuple[bool, str]:
+        def _trial(
+            v: VariantSpec, subset: list[Scenario], is_ref: bool, traces: TraceCache | None
+        ) -> tuple[bool, str, dict[str, Any]]:
             ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
-            built = build(v, ctx)
+            start, reused = time.perf_counter(), traces.reused if traces is not None else 0
+            built = build(v, ctx, traces)
+            # Where a trial's time goes: the build (make_fx's trace; a torch.compile wrapper is lazy),
+            # dynamo's compile (inside the first run) and the runs themselves.
+            timing: dict[str, Any] = {"build_s": round(time.perf_counter() - start, 4)}
+            if traces is not None and traces.reused > reused:
+                timing["reused"] = "trace"
             if built.error is not None:
-                return False, f"{built.error.stage} failed: {built.error.message}"
+                return False, f"{built.error.stage} failed: {built.error.message}", timing
+            start, compiling = time.perf_counter(), _compile_seconds()
             results = per_scenario(
                 lambda w, run=built.run: run(batch, w),  # type: ignore[misc]
                 params, subset, terms, spec.seed,
                 reference=None if is_ref else ref_results, counter=built.counter, isolate=mode == "terms",
             )  # fmt: skip
-            m = results[0]
-            if m.error is not None:
-                return False, f"{m.error.stage}: {m.error.message}"
-            reached = sum(st == "nonzero" for st in m.statuses or [])
-            if is_ref:
-                # Nothing to compare with: the flow is restored when the run works and reaches something.
-                return reached > 0, f"{reached} reached, no error"
-            bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
-                           numels, dtype)  # fmt: skip
-            return not bad, f"{reached} reached" + (
-                ", differs from the reference" if bad else ", matches the reference"
-            )
+            compile_s = _compile_seconds() - compiling
+            timing["compile_s"] = round(compile_s, 4)
+            timing["run_s"] = round(time.perf_counter() - start - compile_s, 4)
+            return (*judge(results[0], v, is_ref), timing)
 
         found = bisect(x.variant, failing[:1], check, model_training).to_dict()
-        _hand_to_compiler_bisector(found, x.variant, check)
+        # torch's CompilerBisector re-runs the failing path under changed compiler settings: every
+        # call must really run (no re-used measurement, no shared trace).
+        _hand_to_compiler_bisector(found, x.variant, lambda v: check(v, reuse=False))
         out.append(found)
     return out
+
+
+def _measured_run(measured: Sequence[Any], v: VariantSpec, scenario: str) -> Measurement | None:
+    """The probe's run of ``scenario`` on the variant ``v`` is, if the probe measured it: the same
+    built-in path (same canonical name, once both are normalised), or the very same user variant."""
+    for x in measured:
+        if _same_path(x.variant, v):
+            return next((m for m in x.results if m.scenario == scenario), None)
+    return None
+
+
+def _same_path(a: VariantSpec, b: VariantSpec) -> bool:
+    """Built-in variants by canonical name (knobs at their defaults dropped); a user variant (or an
+    override's rebuilt path) only as the very same spec: same builder, same knobs."""
+    if a.builder is not None or b.builder is not None:
+        return a == b
+    return with_knobs(a).name == with_knobs(b).name
+
+
+def _compile_seconds() -> float:
+    """Seconds dynamo has spent compiling frames in this process (its own metric, bytecode tracing and
+    the backend together): read around a trial's runs, it splits compile from run time whoever called
+    torch.compile. 0 where this torch does not keep the metric."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
 
 
 def _hand_to_compiler_bisector(found: dict[str, Any], failing: VariantSpec, check: Any) -> None:
