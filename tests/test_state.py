@@ -344,3 +344,50 @@ def test_flush_denormal_set_by_a_step_is_put_back():
     gradprobe.probe(nn.Linear(2, 1), flushing_step, torch.ones(3, 2), progress=False)
     tiny = torch.full((1,), 1e-310, dtype=torch.float64)
     assert (tiny * 1.0).item() != 0.0, "denormals still flushed after the probe"
+
+
+def test_one_walk_lists_what_torch_lists():
+    # The probe walks the module tree once for modules, parameters and buffers: the same objects,
+    # names and order as torch's three walks, shared and tied members listed once under their first name.
+    from gradprobe.walk import walk
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(3, 3)
+            self.dec = nn.Linear(3, 3)
+            self.dec.weight = self.enc.weight  # tied
+            self.again = self.enc  # a module listed twice
+            self.norm = nn.BatchNorm1d(3)
+            self.register_buffer("empty", None)
+            self.scale = nn.Parameter(torch.ones(1))
+
+    for model in (Tied(), Messy(), nn.TransformerEncoderLayer(8, 2)):
+        tree = walk(model)
+        assert tree.modules == list(model.modules())
+        for mine, theirs in ((tree.parameters, model.named_parameters()), (tree.buffers, model.named_buffers())):
+            theirs = list(theirs)
+            assert [n for n, _ in mine] == [n for n, _ in theirs]
+            assert all(a is b for (_, a), (_, b) in zip(mine, theirs, strict=True))
+
+
+def test_numpy_rng_with_a_cached_gaussian_is_put_back_exactly():
+    # NumPy's legacy RNG is restored through its MT19937 state after a reseed where the saved state
+    # holds no cached Gaussian, and through set_state where it does: both exactly as found.
+    np = pytest.importorskip("numpy")
+    model = nn.Linear(2, 1)
+
+    def step(m, b):  # type: ignore[no-untyped-def]
+        noise = torch.from_numpy(np.random.standard_normal(3).astype("float32"))  # draws, caches one
+        return {"fit": (m(b).sum() + noise.sum()).square()}
+
+    for cached in (False, True):
+        np.random.seed(7)
+        np.random.rand(5)
+        if cached:
+            np.random.standard_normal()  # an odd number of normals: the second one is cached
+        before = np.random.get_state()
+        assert before[3] == int(cached)
+        gradprobe.probe(model, step, torch.ones(4, 2), progress=False)
+        after = np.random.get_state()
+        assert after[0] == before[0] and (after[1] == before[1]).all() and after[2:] == before[2:]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gradprobe.status import reduce_grads, status_of
+from gradprobe.status import launch, read, reduce_grads, status_of
 
 
 def test_five_statuses_in_one_batch():
@@ -63,3 +63,32 @@ def test_mixed_dtypes_and_sparse():
 
 def test_status_of():
     assert [status_of(x) for x in (0.0, 1e-300, math.nan, math.inf)] == ["zero", "nonzero", "nan", "inf"]
+
+
+def test_many_gradients_of_mixed_shapes_keep_their_own_status_and_norm():
+    # Gradients of one shape are stacked and reduced together (16 or more of a shape), then read back
+    # in another order than given: each must get its own status and norm, Nones and non-finite
+    # values included, with several pending reductions read at once.
+    torch.manual_seed(0)
+    shapes = [(4,), (4, 4), (3,), (2, 2)]
+    grads: list[torch.Tensor | None] = []
+    for i in range(300):
+        g = torch.randn(shapes[i % 4])
+        grads.append(None if i % 11 == 0 else torch.zeros_like(g) if i % 7 == 0 else g)
+    grads[5] = torch.full((4, 4), math.nan)
+    grads[13] = torch.tensor([math.inf, 1.0, 2.0, 3.0])
+    grads[9] = torch.full((4,), 1e38)  # finite: its float32 L1 sum overflows
+    (first, second), _ = read([launch(grads), launch(grads[::-1])])
+    for (statuses, norms), gs in ((first, grads), (second, grads[::-1])):
+        for g, st, norm in zip(gs, statuses, norms, strict=True):
+            if g is None:
+                assert st == "none" and norm is None
+                continue
+            exact = g.abs().double().sum().item()
+            if math.isnan(exact):
+                assert st == "nan"
+            elif math.isinf(exact):
+                assert st == "inf"
+            else:
+                assert st == ("zero" if exact == 0 else "nonzero")
+                assert norm == pytest.approx(exact, rel=1e-5)
