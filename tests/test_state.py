@@ -365,7 +365,10 @@ def test_one_walk_lists_what_torch_lists():
     for model in (Tied(), Messy(), nn.TransformerEncoderLayer(8, 2)):
         tree = walk(model)
         assert tree.modules == list(model.modules())
-        for mine, theirs in ((tree.parameters, model.named_parameters()), (tree.buffers, model.named_buffers())):
+        for mine, theirs in (
+            (tree.parameters, model.named_parameters()),
+            (tree.buffers, model.named_buffers()),
+        ):
             theirs = list(theirs)
             assert [n for n, _ in mine] == [n for n, _ in theirs]
             assert all(a is b for (_, a), (_, b) in zip(mine, theirs, strict=True))
