@@ -105,7 +105,7 @@ class _Ticker:
     def add(self, reporter: _Reporter) -> None:
         with self.cond:
             self.reporters.append(reporter)
-            if self.thread is None or not self.thread.is_alive():  # first use, or after a fork
+            if self.thread is None or not self.thread.is_alive():  # first use
                 self.thread = threading.Thread(target=self._loop, name="gradprobe-progress", daemon=True)
                 self.thread.start()
             self.cond.notify()
@@ -126,6 +126,16 @@ class _Ticker:
 
 
 _TICKER = _Ticker()
+
+
+def _new_ticker_after_fork() -> None:
+    # A forked child has no ticker thread, and its condition may have been held by it at the fork.
+    global _TICKER
+    _TICKER = _Ticker()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_ticker_after_fork)
 
 
 class _Reporter:
