@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,46 +30,15 @@ import gradprobe  # noqa: E402
 pytestmark = pytest.mark.real_packages
 
 
-def _system(seed: int = 0, n: int = 5) -> dict[str, torch.Tensor]:
-    """One random periodic frame in SchNetPack's input layout, neighbours by SchNetPack's ASE list."""
-    from ase import Atoms
-    from schnetpack.interfaces import AtomsConverter
-    from schnetpack.transform import ASENeighborList
+# The tiny SchNet potential, its frame and its step: the same builders as the benchmark's section 8.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import real_package  # noqa: E402
 
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.rand(n, 3, generator=g, dtype=torch.float64) * 3.0
-    atoms = Atoms(numbers=[1, 8] * (n // 2) + [1] * (n % 2), positions=pos.numpy(), cell=[3.0] * 3, pbc=True)
-    batch = AtomsConverter(neighbor_list=ASENeighborList(cutoff=2.5), dtype=torch.float64)(atoms)
-    batch["energy"] = torch.randn(1, generator=g, dtype=torch.float64)
-    batch["forces"] = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    batch["stress"] = torch.randn(1, 3, 3, generator=g, dtype=torch.float64)
-    return batch
+_system, _step = real_package._system, real_package.schnetpack_step
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    representation = spk.representation.SchNet(
-        n_atom_basis=8, n_interactions=1, radial_basis=spk.nn.GaussianRBF(n_rbf=6, cutoff=2.5),
-        cutoff_fn=spk.nn.CosineCutoff(2.5),
-    )  # fmt: skip
-    return spk.model.NeuralNetworkPotential(
-        representation=representation,
-        input_modules=[spk.atomistic.Strain(), spk.atomistic.PairwiseDistances()],
-        output_modules=[
-            spk.atomistic.Atomwise(n_in=8, output_key="energy"),
-            spk.atomistic.Forces(
-                calc_stress=True, energy_key="energy", force_key="forces", stress_key="stress"
-            ),
-        ],
-        postprocessors=[],
-    ).double()
-
-
-def _step(model, batch):  # type: ignore[no-untyped-def]
-    out = model(dict(batch))
-    return {"energy": (out["energy"] - batch["energy"]).pow(2).mean(),
-            "force": (out["forces"] - batch["forces"]).pow(2).mean(),
-            "stress": (out["stress"] - batch["stress"]).pow(2).mean()}  # fmt: skip
+    return real_package._model(spk)
 
 
 def test_the_model_compiled_alone_trains_energy_and_names_the_double_backward() -> None:
