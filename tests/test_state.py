@@ -394,3 +394,33 @@ def test_numpy_rng_with_a_cached_gaussian_is_put_back_exactly():
         gradprobe.probe(model, step, torch.ones(4, 2), progress=False)
         after = np.random.get_state()
         assert after[0] == before[0] and (after[1] == before[1]).all() and after[2:] == before[2:]
+
+
+@pytest.mark.parametrize("edit", ["negative_zero", "nan_payload", "one_element", "none"])
+def test_small_plain_tensors_are_put_back_bit_for_bit(edit):
+    """Contiguous small tensors are compared bit for bit before they are written: a change torch.equal
+    would miss (0.0 to -0.0, another NaN) is still undone, and values the step left alone stay as
+    they were, version counters included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].bias[0] = 0.0
+        if edit == "nan_payload":  # only here: a NaN makes a value comparison see a change anyway
+            model[2].bias[1] = float("nan")
+    bits = {n: p.detach().clone().view(torch.int32) for n, p in model.named_parameters()}
+    versions = {n: p._version for n, p in model.named_parameters()}
+
+    def step(m, x):
+        if edit == "negative_zero":
+            m[0].bias.data[0] = -0.0
+        elif edit == "nan_payload":
+            m[2].bias.data.view(torch.int32)[1] = 0x7FC00001  # a NaN with another payload
+        elif edit == "one_element":
+            m[2].weight.data[1, 3] += 1e-7
+        y = m(x)
+        return {"a": y[:, 0].sum(), "b": y[:, 1].sum()}
+
+    gradprobe.probe(model, step, torch.randn(5, 3), progress=False)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int32), bits[n]), f"{n}: not bit for bit as before"
+        assert p._version == versions[n], n
