@@ -424,3 +424,19 @@ def test_small_plain_tensors_are_put_back_bit_for_bit(edit):
     for n, p in model.named_parameters():
         assert torch.equal(p.detach().view(torch.int32), bits[n]), f"{n}: not bit for bit as before"
         assert p._version == versions[n], n
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
+@pytest.mark.parametrize("changed", [None, 0, 3])
+def test_the_bitwise_comparison_in_chunks(monkeypatch, chunk, changed):
+    """The comparison flattens at most a chunk of elements at a time: a change in any chunk is seen,
+    and unchanged tensors compare equal whatever the chunk size."""
+    from gradprobe import state
+
+    monkeypatch.setattr(state, "_COMPARE_CHUNK", chunk)
+    torch.manual_seed(0)
+    targets = [torch.randn(n) for n in (3, 5, 1, 8)]
+    flat = torch._utils._flatten_dense_tensors(targets).clone()
+    if changed is not None:
+        targets[changed][-1] = -targets[changed][-1]
+    assert state._unchanged_bits(targets, flat) is (changed is None)

@@ -264,15 +264,31 @@ class _Saved:
 _COMPARE_NUMEL = 4096
 
 
+_COMPARE_CHUNK = 1 << 22  # elements flattened at a time: bounds the comparison's temporary memory
+
+
 def _unchanged_bits(targets: list[torch.Tensor], flat: torch.Tensor) -> bool:
     """Whether contiguous ``targets`` hold bit for bit the values of their flat copy (NaN equal to
-    the same NaN, -0.0 unlike 0.0). Small tensors only (``_COMPARE_NUMEL``); one host sync per group
-    on a GPU, at the end of the probe."""
+    the same NaN, -0.0 unlike 0.0). Small tensors only (``_COMPARE_NUMEL``), flattened a chunk of at
+    most ``_COMPARE_CHUNK`` elements at a time; one host sync per chunk on a GPU, at the end of the
+    probe."""
     if flat.numel() > _COMPARE_NUMEL * len(targets):
         return False
     try:
-        now = torch._utils._flatten_dense_tensors(targets)
-        return torch.equal(now.view(torch.uint8), flat.view(torch.uint8))
+        if flat.numel() <= _COMPARE_CHUNK:
+            now = torch._utils._flatten_dense_tensors(targets)
+            return torch.equal(now.view(torch.uint8), flat.view(torch.uint8))
+        numels = list(map(torch.Tensor.numel, targets))
+        start = offset = size = 0
+        for i, n in enumerate(numels):
+            size += n
+            if i + 1 < len(numels) and size + numels[i + 1] <= _COMPARE_CHUNK:
+                continue  # the next tensor fits in this chunk
+            now = torch._utils._flatten_dense_tensors(targets[start : i + 1])
+            if not torch.equal(now.view(torch.uint8), flat.narrow(0, offset, size).view(torch.uint8)):
+                return False
+            start, offset, size = i + 1, offset + size, 0
+        return True
     except RuntimeError:  # a dtype with no byte view: written back
         return False
 
