@@ -396,11 +396,16 @@ def test_numpy_rng_with_a_cached_gaussian_is_put_back_exactly():
         assert after[0] == before[0] and (after[1] == before[1]).all() and after[2:] == before[2:]
 
 
+@pytest.mark.parametrize("compared", [True, False], ids=["compared", "written"])
 @pytest.mark.parametrize("edit", ["negative_zero", "nan_payload", "one_element", "none"])
-def test_small_plain_tensors_are_put_back_bit_for_bit(edit):
-    """Contiguous small tensors are compared bit for bit before they are written: a change torch.equal
-    would miss (0.0 to -0.0, another NaN) is still undone, and values the step left alone stay as
-    they were, version counters included."""
+def test_small_plain_tensors_are_put_back_bit_for_bit(monkeypatch, edit, compared):
+    """Many contiguous small tensors are compared bit for bit before they are written (here four,
+    the threshold lowered), a few are written back: either way a change torch.equal would miss (0.0
+    to -0.0, another NaN) is undone, and values the step left alone stay as they were, version
+    counters included."""
+    from gradprobe import state
+
+    monkeypatch.setattr(state, "_COMPARE_MIN", 1 if compared else 1 << 30)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     with torch.no_grad():
@@ -434,6 +439,7 @@ def test_the_bitwise_comparison_in_chunks(monkeypatch, chunk, changed):
     from gradprobe import state
 
     monkeypatch.setattr(state, "_COMPARE_CHUNK", chunk)
+    monkeypatch.setattr(state, "_COMPARE_MIN", 1)
     torch.manual_seed(0)
     targets = [torch.randn(n) for n in (3, 5, 1, 8)]
     flat = torch._utils._flatten_dense_tensors(targets).clone()

@@ -262,6 +262,9 @@ class _Saved:
 # Bigger tensors are written without a comparison: then the bytes moved decide, and a comparison reads
 # twice what a write moves.
 _COMPARE_NUMEL = 4096
+# Fewer tensors than this are written without a comparison: a write of a few costs no more than the
+# two calls and the host read of a comparison.
+_COMPARE_MIN = 32
 
 
 _COMPARE_CHUNK = 1 << 22  # elements flattened at a time: bounds the comparison's temporary memory
@@ -269,10 +272,10 @@ _COMPARE_CHUNK = 1 << 22  # elements flattened at a time: bounds the comparison'
 
 def _unchanged_bits(targets: list[torch.Tensor], flat: torch.Tensor) -> bool:
     """Whether contiguous ``targets`` hold bit for bit the values of their flat copy (NaN equal to
-    the same NaN, -0.0 unlike 0.0). Small tensors only (``_COMPARE_NUMEL``), flattened a chunk of at
-    most ``_COMPARE_CHUNK`` elements at a time; one host sync per chunk on a GPU, at the end of the
-    probe."""
-    if flat.numel() > _COMPARE_NUMEL * len(targets):
+    the same NaN, -0.0 unlike 0.0). Many small tensors only (``_COMPARE_MIN``, ``_COMPARE_NUMEL``),
+    flattened at most ``_COMPARE_CHUNK`` elements at a time; one host sync per chunk on a GPU, at the
+    end of the probe."""
+    if len(targets) < _COMPARE_MIN or flat.numel() > _COMPARE_NUMEL * len(targets):
         return False
     try:
         if flat.numel() <= _COMPARE_CHUNK:
