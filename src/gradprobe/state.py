@@ -21,9 +21,9 @@ state, which two at once would interleave.
 
 Cost: one copy of the parameters, ``.grad`` and buffers (on their own device; one flat copy per
 device and dtype for plain tensors) for the duration of the probe, compared bit for bit at the end
-and written back where it differs (small tensors: one flatten and one comparison per group, a quarter
-of a write per tensor) or simply written back (big tensors: fewer bytes moved than a comparison); both
-undo what no version counter records. A shallow copy of each module's ``__dict__``, and
+and written back where it differs (groups of many small tensors: one flatten and one comparison per
+group, a quarter of a write per tensor) or simply written back (big tensors, and groups of a few:
+fewer bytes moved, or fewer calls, than a comparison); both undo what no version counter records. A shallow copy of each module's ``__dict__``, and
 the values of the already imported compiler config modules (read from torch's own cache, the mutable
 ones copied: tens of microseconds). Few Python objects are held per parameter: the garbage collector
 traverses every one of them in each full collection the user's step sets off. The write-back goes through aliases with version counters of their own, so a
@@ -210,9 +210,10 @@ class _Saved:
 
         Values are compared with their copy, not trusted to version counters: a change no version
         counter sees (``p.data.mul_(2)``, an in-kernel update of BatchNorm's running statistics, a
-        write through NumPy) is undone like any other. Small tensors are compared bit for bit first
-        and written only where a group differs (``_unchanged_bits``); big ones are written back
-        whether or not they changed (one write moves fewer bytes than a comparison). The writes go
+        write through NumPy) is undone like any other. Groups of many small tensors are compared bit
+        for bit first and written only where a group differs (``_unchanged_bits``); big tensors and
+        groups of a few are written back whether or not they changed (one write moves fewer bytes, or
+        makes fewer calls, than a comparison). The writes go
         through the aliases, whose version counters are their own: a tensor the step left alone keeps
         its ``_version``, so autograd graphs that saved it before the probe stay usable.
         """
@@ -265,8 +266,6 @@ _COMPARE_NUMEL = 4096
 # Fewer tensors than this are written without a comparison: a write of a few costs no more than the
 # two calls and the host read of a comparison.
 _COMPARE_MIN = 32
-
-
 _COMPARE_CHUNK = 1 << 22  # elements flattened at a time: bounds the comparison's temporary memory
 
 
