@@ -29,7 +29,7 @@ from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .scenarios import Scenario
 from .state import reseed
-from .status import Pending, launch, reduce_grads
+from .status import Launched, Pending, Plan, launch, plan_for, read_planned, reduce_grads
 from .status import read as read_reductions
 from .step import Weights, check_terms, check_total, make_weights, metrics_of
 
@@ -255,16 +255,19 @@ def per_term(
         )
     terms = check_terms(out, declared)
     scenarios = scenarios_for(list(terms))
-    reductions = _Reductions(list(terms), _stacked_values(terms), keep)
-    forward_seconds = time.perf_counter() - start
-
     needed = [t for t in terms if any(t in s.terms for s in scenarios)]
     multi = [s for s in scenarios if len(s.terms) > 1]
-    acc: dict[str, Grads | None] = {s.name: None for s in multi}
+    plan = plan_for(params) if needed else None
+    # A few gradients (a small model) are all held and read at once: one copy to the host per probe
+    # instead of one per scenario, where those copies and their calls are most of what the probe
+    # adds to the step. More are read term by term, so that each term's are released before the
+    # next backward (see _Reductions).
+    hold = plan is not None and plan.size <= HELD_TENSORS
+    reductions = _Reductions(list(terms), _stacked_values(terms), keep, plan, hold)
+    forward_seconds = time.perf_counter() - start
+
+    sums: dict[str, _Sum] = {s.name: _Sum(plan) for s in multi}
     acc_error: dict[str, RunError | None] = {s.name: None for s in multi}
-    # Per multi-term scenario and parameter: the one term whose gradient the sum holds unchanged
-    # (None: no term yet; _SUMMED: more than one). Its status and norm are that term's own.
-    alone: dict[str, list[str | None]] = {s.name: [None] * len(params) for s in multi}
     results: dict[str, Measurement] = {}
     by_term: dict[str, Measurement] = {}
     for k, t in enumerate(needed):
@@ -280,28 +283,117 @@ def per_term(
                 )
             except Exception as e:
                 error = run_error("backward", e)
+        launched = plan.take(grads) if plan is not None and grads is not None else None
         for s in scenarios:
             if s.terms == (t,):
-                results[s.name] = by_term[t] = reductions.add(s.name, grads, error, t0)
+                results[s.name] = by_term[t] = reductions.add(s.name, grads, error, t0, launched=launched)
         for s in multi:
             if t not in s.terms:
                 continue
             if error is not None and error.type != "NoGradPath":
                 acc_error[s.name] = acc_error[s.name] or error
             elif grads is not None:
-                acc[s.name] = _add(acc[s.name], grads, alone[s.name], t)
-        del grads
+                sums[s.name].add(grads, launched, t)
+        del grads, launched
     for s in multi:
         t0 = time.perf_counter()
         error = acc_error[s.name]
-        if error is None and acc[s.name] is None:
+        total = sums.pop(s.name)
+        if error is None and total.empty:
             error = no_grad_path(f"no term of scenario {s.name!r}")
-        summed = acc.pop(s.name) if error is None else None
-        results[s.name] = reductions.add(s.name, summed, error, t0, _known(alone[s.name], by_term))
+        if error is not None:
+            results[s.name] = reductions.add(s.name, None, error, t0)
+        else:
+            results[s.name] = total.measure(reductions, s.name, t0, by_term)
     reductions.read()
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
     return list(terms), scenarios, [results[s.name] for s in scenarios]
+
+
+class _Sum:
+    """A scenario of several terms: the sum of its terms' gradients, built term by term.
+
+    With a ``Plan``, the small gradients are summed as the plan's stacked groups (one add per group;
+    the stacks are each term's own copies, never written), the others one by one as ``_add`` does;
+    a term whose gradients the plan could not launch (a sparse one) turns the sum into ``_add``'s
+    per-parameter list from there on. ``who[i]``: the one term whose gradient the sum holds
+    unchanged at ``i`` (``_SUMMED`` once two were added): its status and norm are that term's own
+    (``_known``), not reduced again."""
+
+    def __init__(self, plan: Plan | None) -> None:
+        self.plan = plan
+        self.stacks: list[torch.Tensor | None] = [None] * len(plan.stacks) if plan is not None else []
+        self.present: list[bool] | None = None  # any term's gradient, per parameter
+        self.acc: Grads | None = None  # per parameter (no plan), or per plan.singles
+        self.who: list[str | None] = [None] * len(plan.singles) if plan is not None else []
+        self.empty = True
+
+    def add(self, grads: Grads, launched: Launched | None, term: str) -> None:
+        self.empty = False
+        if self.plan is not None and launched is None:  # unplanned from here on: per parameter
+            self.acc, self.who = self.per_parameter(), self.who_per_parameter()
+            self.plan = None
+        plan = self.plan
+        if plan is None:
+            if len(self.who) != len(grads):
+                self.who = [None] * len(grads)
+            self.acc = _add(self.acc, grads, self.who, term)
+            return
+        assert launched is not None
+        present = launched.present
+        self.present = present if self.present is None else list(map(operator.or_, self.present, present))
+        for j, stacked in enumerate(launched.stacks):
+            if stacked is not None:
+                now = self.stacks[j]
+                self.stacks[j] = stacked if now is None else now + stacked
+        if plan.single_getter is not None:
+            self.acc = _add(self.acc, list(plan.single_getter(grads)), self.who, term)
+
+    def per_parameter(self) -> Grads | None:
+        """The sum so far, one tensor (or None) per parameter."""
+        plan = self.plan
+        if plan is None:
+            return self.acc
+        if self.present is None:
+            return None
+        out: Grads = [None] * plan.size
+        for (idx, _, _), stacked in zip(plan.stacks, self.stacks, strict=True):
+            if stacked is not None:
+                for i, g in zip(idx, stacked.unbind(0), strict=True):
+                    out[i] = g
+        for i, g in zip(plan.singles, self.acc or (), strict=True):
+            out[i] = g
+        return [g if p else None for g, p in zip(out, self.present, strict=True)]
+
+    def who_per_parameter(self) -> list[str | None]:
+        plan = self.plan
+        if plan is None:
+            return self.who
+        who: list[str | None] = [_SUMMED] * plan.size
+        for i, w in zip(plan.singles, self.who, strict=True):
+            who[i] = w
+        return who
+
+    def measure(
+        self, reductions: _Reductions, name: str, t0: float, by_term: Mapping[str, Measurement]
+    ) -> Measurement:
+        known = _known(self.who, by_term)
+        plan = self.plan
+        if plan is None:
+            return reductions.add(name, self.acc, None, t0, known)
+        # The singles whose status and norm another measurement already has (``known``: the sum holds
+        # one term's gradient unchanged there) are not reduced again.
+        singles = [None if j in known else g for j, g in enumerate(self.acc or [None] * len(plan.singles))]
+        assert self.present is not None
+        launched = Launched(self.per_parameter, self.present, all(self.present), self.stacks, singles)
+        # ``known`` indexes plan.singles: in parameter order for the measurement.
+        return reductions.add(
+            name, None, None, t0, {plan.singles[j]: m for j, m in known.items()}, launched=launched
+        )
+
+
+HELD_TENSORS = 64  # parameter tensors up to which every scenario is read at once (per_term)
 
 
 class _Reductions:
@@ -310,14 +402,25 @@ class _Reductions:
     model. Each term's gradients are read, then released, before the next backward: holding every
     term's (to read them all at once) would hold tens of thousands of tensors through the next
     backward at 8,192 parameter tensors, enough to set off a full garbage collection there (0.2 s),
-    and hold more memory."""
+    and hold more memory. With ``hold`` (a few parameter tensors, ``HELD_TENSORS``), the gradients a
+    ``Plan`` took are held and read all at once by ``read()``: one copy to the host per probe."""
 
-    def __init__(self, terms: list[str], values: torch.Tensor | None, keep: bool) -> None:
+    def __init__(
+        self,
+        terms: list[str],
+        values: torch.Tensor | None,
+        keep: bool,
+        plan: Plan | None = None,
+        hold: bool = False,
+    ) -> None:
         self.terms = terms
         self.values = values  # read with the first batch of norms
         self.keep = keep
+        self.plan = plan
+        self.hold = hold
         self.host_values: dict[str, float | None] | None = None
         self.pending: list[tuple[Measurement, Pending, dict[int, Measurement]]] = []
+        self.planned: list[tuple[Measurement, Launched, dict[int, Measurement]]] = []
         self.measurements: list[Measurement] = []
 
     def add(
@@ -327,41 +430,70 @@ class _Reductions:
         error: RunError | None,
         t0: float,
         known: dict[int, Measurement] | None = None,
+        launched: Launched | None = None,
     ) -> Measurement:
         """A measurement of ``grads`` (``known``: parameters whose status and norm are another
-        pending or read measurement's, taken from it instead of reduced again)."""
+        pending or read measurement's, taken from it instead of reduced again; ``launched``: the
+        plan's take of them)."""
         m = Measurement(name, error=error)
         self.measurements.append(m)
-        if grads is not None and error is None:
+        if launched is not None and error is None:
+            if self.keep:
+                m.grads = list(launched.gradients())
+            self.planned.append((m, launched, known or {}))
+        elif grads is not None and error is None:
             if self.keep:
                 m.grads = grads
             known = known or {}
             p = launch([None if i in known else g for i, g in enumerate(grads)] if known else grads)
             self.pending.append((m, p, known))
         m.seconds = time.perf_counter() - t0
-        self.read()
+        if not (self.hold and launched is not None):
+            self.read()
         return m
 
     def read(self) -> None:
         """Statuses and norms of every pending measurement; the term values and totals of all."""
         t0 = time.perf_counter()
-        results, values = read_reductions([p for _, p, _ in self.pending], self.values)
-        if self.host_values is None:
-            self.host_values = dict(zip(self.terms, values or [], strict=True))
-            self.values = None
-        for (m, _, known), (statuses, norms) in zip(self.pending, results, strict=True):
-            for i, other in known.items():  # read before: added earlier
-                statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
-            m.statuses, m.norms = statuses, norms
-        share = (time.perf_counter() - t0) / max(1, len(self.pending))
-        for m, _, _ in self.pending:
+        read = [m for m, _, _ in self.planned] + [m for m, _, _ in self.pending]
+        if self.planned:
+            assert self.plan is not None
+            # The term values ride on the copy to the host where they are on the norms' device.
+            extra = (
+                self.values
+                if self.values is not None and self.values.device == self.plan.like.device
+                else None
+            )
+            results, values = read_planned(self.plan, [x for _, x, _ in self.planned], extra)
+            if extra is not None:
+                self._values_read(values)
+            for (m, _, known), (statuses, norms) in zip(self.planned, results, strict=True):
+                for i, other in known.items():  # read before: added earlier
+                    statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
+                m.statuses, m.norms = statuses, norms
+            self.planned.clear()
+        if self.pending or self.host_values is None:
+            results, values = read_reductions([p for _, p, _ in self.pending], self.values)
+            if self.host_values is None:
+                self._values_read(values)
+            for (m, _, known), (statuses, norms) in zip(self.pending, results, strict=True):
+                for i, other in known.items():  # read before: added earlier
+                    statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
+                m.statuses, m.norms = statuses, norms
+            self.pending.clear()
+        share = (time.perf_counter() - t0) / max(1, len(read))
+        for m in read:
             m.seconds += share
-        self.pending.clear()
+        assert self.host_values is not None
         finite = [v for v in self.host_values.values() if v is not None]
         for m in self.measurements:
             m.term_values = dict(self.host_values)
             if m.statuses is not None:
                 m.total = sum(finite) if finite else None
+
+    def _values_read(self, values: list[float] | None) -> None:
+        self.host_values = dict(zip(self.terms, values or [], strict=True))
+        self.values = None
 
 
 def _add(acc: Grads | None, grads: Grads, who: list[str | None], term: str) -> Grads:

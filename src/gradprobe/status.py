@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import Any
 
 import torch
 
@@ -252,3 +254,209 @@ def status_of(max_abs: float) -> str:
 # The fast path in ``read`` decides as this function would, so it is taken only while this is the
 # function in use (a test that swaps in another judge gets it called for every value).
 _SHIPPED_STATUS_OF = status_of
+
+
+# ----- a probe's reductions planned once -----------------------------------------------------------
+
+
+def _getter(idx: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``lambda xs: tuple(xs[i] for i in idx)`` at C speed."""
+    if len(idx) == 1:
+        (i,) = idx
+        return lambda xs: (xs[i],)
+    return operator.itemgetter(*idx)
+
+
+class Plan:
+    """How every gradient list of one probe is reduced, decided once from the parameters.
+
+    Autograd hands back each input's gradient in the input's own shape, dtype and device, so the
+    grouping ``read`` finds again for every list (by device, dtype, layout, then by shape) is the
+    same for every term of a probe: found once here, a reduction is a few stacks and one norm call
+    per group (``stacks``: 16 or more small gradients of one shape), and one ``_foreach_norm`` over
+    the rest (``singles``). Only for parameters of one device and one real floating dtype
+    (``plan_for`` returns None otherwise); a gradient list holding a sparse gradient is left to
+    ``read`` (``take`` returns None).
+
+    ``take`` keeps each term's stacked copies of its small gradients: a scenario of several terms
+    sums them (one add per group instead of one per parameter). ``read_planned`` reduces any number
+    of taken lists with one norm call per group and one ``_foreach_norm`` for all of their singles,
+    and copies everything to the host at once.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.size = len(params)
+        self.like = params[0]
+        self.acc = _accumulation_dtype(self.like.dtype)
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, shape in enumerate(map(_SHAPE, params)):
+            by_shape.setdefault(shape, []).append(i)
+        # (indices, their getter, shape) per stacked chunk; the rest are reduced one by one.
+        self.stacks: list[tuple[list[int], Callable[[Sequence[Any]], tuple[Any, ...]], torch.Size]] = []
+        singles: list[int] = []
+        order: list[int] = []
+        for shape, members in by_shape.items():
+            if len(members) < _STACK_MIN or shape.numel() > _STACKED_NUMEL:
+                singles.extend(members)
+                continue
+            step = max(1, _STACK_ELEMENTS // max(1, shape.numel()))
+            for lo in range(0, len(members), step):
+                chunk = members[lo : lo + step]
+                self.stacks.append((chunk, _getter(chunk), shape))
+                order.extend(chunk)
+        self.stacked = len(order)  # norms of stacked gradients come first, then the singles'
+        self.singles = singles
+        self.single_getter = _getter(singles) if singles else None
+        order.extend(singles)
+        # Position of each parameter's norm among [stacked..., singles...], applied on the host.
+        self.at = _getter(sorted(range(len(order)), key=order.__getitem__))
+        self._zeros: dict[torch.Size, torch.Tensor] = {}
+
+    def zeros(self, shape: torch.Size) -> torch.Tensor:
+        """A zero tensor standing in for a missing gradient in a stack (shared: never written)."""
+        z = self._zeros.get(shape)
+        if z is None:
+            z = self._zeros[shape] = torch.zeros(shape, dtype=self.like.dtype, device=self.like.device)
+        return z
+
+    def take(self, grads: Sequence[torch.Tensor | None]) -> Launched | None:
+        """``grads`` ready to reduce: which are present, the stacked small ones, the others; None when
+        a gradient is not dense (``read`` handles those)."""
+        present = list(map(operator.is_not, grads, repeat(None)))
+        complete = all(present)
+        there = grads if complete else [g for g, p in zip(grads, present, strict=True) if p]
+        if there and set(map(_LAYOUT, there)) != _STRIDED:
+            return None
+        stacks: list[torch.Tensor | None] = []
+        for _, get, shape in self.stacks:
+            members = get(grads)
+            if not complete and not all(get(present)):
+                if not any(get(present)):
+                    stacks.append(None)
+                    continue
+                z = self.zeros(shape)
+                members = [z if g is None else g for g in members]
+            stacks.append(torch.stack(members))
+        singles = list(self.single_getter(grads)) if self.single_getter is not None else []
+        return Launched(grads, present, complete, stacks, singles)
+
+    def norm_parts(self, launched: Sequence[Launched]) -> list[torch.Tensor]:
+        """The L1 norms (accumulation dtype, on the device) of each group of each of ``launched`` in
+        order, then those of all their present singles in one ``_foreach_norm``."""
+        parts: list[torch.Tensor] = []
+        for x in launched:
+            for (idx, _, shape), stacked in zip(self.stacks, x.stacks, strict=True):
+                if stacked is None:  # no gradient in this group: its statuses are none
+                    parts.append(self.zeros(torch.Size((len(idx),))).to(self.acc))
+                else:
+                    parts.append(
+                        torch.linalg.vector_norm(
+                            stacked.reshape(len(idx), shape.numel()), 1, dim=1, dtype=self.acc
+                        )
+                    )
+        singles = [g for x in launched for g in x.singles if g is not None]
+        if singles:
+            parts.append(torch.stack(torch._foreach_norm(singles, 1, dtype=self.acc)))
+        return parts
+
+
+_STRIDED = {torch.strided}
+
+
+class Launched:
+    """One gradient list taken by ``Plan.take``: which gradients are present, the stacked groups,
+    the singles (``plan.singles``' gradients; None: none, or one whose status another measurement
+    gives), and the gradients themselves (kept until read, for the rare overflow recheck;
+    ``gradients`` builds them only then where they are a sum's stacks)."""
+
+    __slots__ = ("_grads", "_make", "complete", "present", "singles", "stacks")
+
+    def __init__(
+        self,
+        grads: Sequence[torch.Tensor | None] | Callable[[], Sequence[torch.Tensor | None]],
+        present: list[bool],
+        complete: bool,
+        stacks: list[torch.Tensor | None],
+        singles: list[torch.Tensor | None],
+    ) -> None:
+        self._grads = None if callable(grads) else grads
+        self._make = grads if callable(grads) else None
+        self.present = present
+        self.complete = complete
+        self.stacks = stacks
+        self.singles = singles
+
+    def gradients(self) -> Sequence[torch.Tensor | None]:
+        if self._grads is None:
+            assert self._make is not None
+            self._grads = self._make()
+        return self._grads
+
+
+def read_planned(
+    plan: Plan, launched: Sequence[Launched], extra: torch.Tensor | None = None
+) -> tuple[list[tuple[list[str], list[float | None]]], list[float] | None]:
+    """Statuses and norms, in parameter order, of each taken gradient list, and ``extra`` (a 1-D float
+    tensor on the same device, e.g. the term values) as floats: one device-to-host copy for all."""
+    parts = plan.norm_parts(launched)
+    if extra is not None:
+        parts.append(extra)
+    if not parts:
+        host: list[float] = []
+    elif len(parts) == 1:
+        host = parts[0].tolist()
+    else:
+        wide = max((t.dtype for t in parts), key=_bits)
+        host = torch.cat([t.to(wide) for t in parts]).tolist()
+    # Stacked norms come item by item; the singles' for all items after them (``norm_parts``).
+    n_stacked = plan.stacked
+    singles_at = n_stacked * len(launched)
+    out = []
+    judge = status_of  # looked up per call: the one place statuses are decided (tests replace it)
+    for k, x in enumerate(launched):
+        values = host[k * n_stacked : (k + 1) * n_stacked]
+        if x.singles:
+            if all(map(operator.is_not, x.singles, repeat(None))):
+                values += host[singles_at : singles_at + len(x.singles)]
+                singles_at += len(x.singles)
+            else:  # missing (or known) singles took no place among the norms: zero, status from present
+                for g in x.singles:
+                    if g is None:
+                        values.append(_ZERO)
+                    else:
+                        values.append(host[singles_at])
+                        singles_at += 1
+        values = list(plan.at(values))
+        present = x.present
+        if x.complete:
+            if judge is _SHIPPED_STATUS_OF and _ZERO not in values and math.isfinite(sum(values)):
+                statuses = [NONZERO] * len(values)  # no zero, and a finite sum: no NaN or inf
+            else:
+                statuses = list(map(judge, values))
+            norms: list[float | None] = values  # type: ignore[assignment]
+        else:
+            statuses = [judge(v) if p else NONE for v, p in zip(values, present, strict=True)]
+            norms = [v if p else None for v, p in zip(values, present, strict=True)]
+        if _INF in values:  # an inf, or a finite sum past the accumulation dtype: rechecked
+            over = [i for i, (v, p) in enumerate(zip(values, present, strict=True)) if p and v == _INF]
+            if over:
+                _recheck_overflow(x.gradients(), over, statuses, norms)
+        out.append((statuses, norms))
+    extra_host = host[singles_at:] if extra is not None else None
+    return out, extra_host
+
+
+def plan_for(params: Sequence[torch.Tensor]) -> Plan | None:
+    """A ``Plan`` for ``params``: parameters of one device and one real floating dtype, all dense;
+    else None (each read then groups its gradients itself)."""
+    if not params:
+        return None
+    dtypes = set(map(_DTYPE, params))
+    if (
+        len(dtypes) != 1
+        or not next(iter(dtypes)).is_floating_point
+        or len(set(map(_DEVICE, params))) != 1
+        or set(map(_LAYOUT, params)) != _STRIDED
+    ):
+        return None
+    return Plan(params)
