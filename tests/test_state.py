@@ -1,6 +1,7 @@
 """The probe leaves the user's model exactly as it found it."""
 
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -332,6 +333,80 @@ def test_config_values_a_step_edits_in_place_are_put_back():
         dynamo_config.reorderable_logging_functions = set()
         inductor_config.post_grad_fusion_options = fusion_before
         dynamo_config.recompile_limit = limit_before
+
+
+def test_config_set_on_any_config_module_is_undone_without_a_copy(monkeypatch):
+    # The probe runs in a copy of the context: what a step sets on a config module (ContextVars) is
+    # gone after it, also on a config module gradprobe does not list (torch.fx.experimental._config),
+    # and without reading the values of the modules it lists.
+    from torch.fx.experimental import _config as fx_config
+
+    from gradprobe import state
+
+    if not state._CONTEXT_CONFIG:
+        pytest.skip("config values are not ContextVars on this torch")
+    before = fx_config.translation_validation
+
+    def reads_nothing(name):  # a config module read value by value would fail the probe
+        def read():
+            raise AssertionError(f"{name} was read: the copy of the context should isolate it")
+
+        return read
+
+    monkeypatch.setattr(
+        state, "GLOBALS", [g if not g.contextual else state.Global(g.name, reads_nothing(g.name), g.write, g.same, True)
+                           for g in state.GLOBALS],
+    )  # fmt: skip
+
+    def setting_step(model, batch):
+        fx_config.translation_validation = not before
+        return {"a": model(batch).pow(2).mean()}
+
+    gradprobe.probe(nn.Linear(2, 1), setting_step, torch.ones(3, 2), progress=False)
+    assert fx_config.translation_validation == before
+
+
+def test_config_module_first_imported_by_the_step_keeps_what_was_set_there(tmp_path, monkeypatch):
+    # As before the copy of the context: only config modules imported before the probe are put back;
+    # one the step imports keeps what its import and the step set (it was never the user's state).
+    (tmp_path / "gradprobe_fresh_config.py").write_text(
+        "import sys\nfrom torch.utils._config_module import install_config_module\n"
+        "flag = False\nlimit = 1\ninstall_config_module(sys.modules[__name__])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def importing_step(model, batch):
+        import gradprobe_fresh_config
+
+        gradprobe_fresh_config.flag = True
+        return {"a": model(batch).pow(2).mean()}
+
+    try:
+        gradprobe.probe(nn.Linear(2, 1), importing_step, torch.ones(3, 2), progress=False)
+        import gradprobe_fresh_config
+
+        assert gradprobe_fresh_config.flag is True and gradprobe_fresh_config.limit == 1
+    finally:
+        sys.modules.pop("gradprobe_fresh_config", None)
+
+
+def test_numpy_rng_state_is_read_without_get_state():
+    # The legacy RNG's state is read through its ctypes words and the cached Gaussian's place in the
+    # RandomState, found once per process and checked against get_state: here it must be found, and
+    # give what get_state gives, with and without a cached Gaussian.
+    np = pytest.importorskip("numpy")
+    from gradprobe import state
+
+    for cached in (False, True):
+        np.random.seed(11)
+        np.random.rand(3)
+        if cached:
+            np.random.standard_normal()
+        saved = state._numpy_state(np)
+        assert isinstance(saved, state._NumpyState), "NumPy's layout was not found: get_state is used"
+        expected = np.random.get_state()
+        got = saved.as_tuple(np)
+        assert got[0] == expected[0] and (got[1] == expected[1]).all() and got[2:] == expected[2:]
 
 
 def test_flush_denormal_set_by_a_step_is_put_back():

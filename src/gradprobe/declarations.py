@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import SpecError
+from .errors import SpecError, did_you_mean
 
 KINDS = ("reaches", "not_reaches")
 
@@ -76,8 +76,6 @@ def check_against(
 ) -> None:
     """Every declared scenario exists and every prefix names a trainable parameter (a misspelt
     declaration would otherwise pass silently)."""
-    from .errors import did_you_mean
-
     for scenario, entry in expect.items():
         if scenario not in scenarios:
             raise SpecError(

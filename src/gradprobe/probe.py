@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -24,12 +24,12 @@ from .evidence import compiler_passes
 from .evidence.anomaly import with_double_backward_frames
 from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
-from .flowmap import Cell, FlowMap, Run, ScenarioInfo, VariantInfo, make_cell, parameter_infos
+from .flowmap import CellBlock, Cells, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
 from .measure import Measurement, per_scenario, per_term
 from .progress import reporting, stage
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, check_values, resolve_model
-from .state import gc_paused, isolated_settings, preserved, reseed
+from .state import contained, gc_paused, isolated_settings, preserved, reseed
 from .step import make_weights
 from .variants import VariantSpec, parse_variants
 from .walk import walk
@@ -116,8 +116,9 @@ def run_probe(
 ) -> FlowMap:
     # Called inside torch.inference_mode(), autograd would record nothing (enable_grad does not leave
     # inference mode): the probe leaves it, and the caller's mode is back on return.
+    # In a copy of the context: config values a step or a variant sets are gone at the end (state.py).
     with torch.inference_mode(False):
-        return _run_probe(spec, variants, reference, diagnose_, checks)
+        return contained(lambda: _run_probe(spec, variants, reference, diagnose_, checks))
 
 
 def _run_probe(
@@ -171,7 +172,7 @@ def _run_probe(
         )
     results_of_checks: dict[str, Any] = {}
     evidence: dict[str, Any] = {}
-    with preserved(model, [p for _, p in named], tree.modules), torch.enable_grad():
+    with preserved(model, [p for _, p in named], tree.modules, contained=True), torch.enable_grad():
         batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         ref_results: dict[str, Measurement] = {}
         builds: dict[str, Built] = {}
@@ -447,8 +448,6 @@ def _compiles(results: list[Measurement]) -> int:
 
 
 def _graph_breaks() -> int:
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")
     return sum(utils.counters["graph_break"].values()) if utils is not None else 0
 
@@ -566,16 +565,6 @@ def _stochastic_warnings(model: torch.nn.Module, measured: list[_Measured]) -> l
     ]
 
 
-def _reference_cells(
-    variant: str, scenario: str, names: Sequence[str], statuses: Iterable[str], norms: Iterable[float | None]
-) -> Iterator[Cell]:
-    """Cells without a comparison (the reference's, frozen parameters'), built at C speed: ``map``
-    over the names, statuses and norms (thousands of parameters per run)."""
-    return map(
-        make_cell, repeat(variant), repeat(scenario), names, statuses, norms, repeat(None), repeat(None)
-    )
-
-
 def _flow_map(
     spec: ProbeSpec,
     model: torch.nn.Module,
@@ -596,9 +585,10 @@ def _flow_map(
         (m.scenario): m.statuses for x in measured if x.info.name == ref_name for m in x.results
     }  # fmt: skip
     ref_norms_of = {m.scenario: m.norms for x in measured if x.info.name == ref_name for m in x.results}
-    numels = [p.numel() for _, p in trainable]
+    numels: list[int] | None = None  # listed on first use: only a compared run needs them
     runs: list[Run] = []
-    cells: list[Cell] = []
+    # The cells as columns, run by run (flowmap.Cells): Cell objects are made only when asked for.
+    blocks: list[CellBlock] = []
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
@@ -607,18 +597,29 @@ def _flow_map(
             runs.append(run)
             if m.statuses is None or m.norms is None:
                 continue
+            if not len(m.statuses) == len(m.norms) == len(trainable_names):
+                raise AssertionError(
+                    f"{x.info.name}, {m.scenario}: a status and a norm per trainable parameter"
+                )
             refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
             if refs is None:
-                cells += _reference_cells(x.info.name, m.scenario, trainable_names, m.statuses, m.norms)
+                blocks.append(CellBlock(x.info.name, m.scenario, trainable_names, m.statuses, m.norms))
             else:
+                if numels is None:
+                    numels = [p.numel() for _, p in trainable]
                 rel = m.rel_errors or [None] * len(trainable_names)
                 ref_norms = ref_norms_of.get(m.scenario) or [None] * len(trainable_names)
                 noise = noise_pairs(refs, ref_norms, m.statuses, m.norms, numels, dtype)
-                for i, (n, st, nm) in enumerate(zip(trainable_names, m.statuses, m.norms, strict=True)):
-                    v = verdict(refs[i], st, rel[i], rtol, noise[i])
-                    cells.append(make_cell(x.info.name, m.scenario, n, st, nm, rel[i], v))
-            # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
-            cells += _reference_cells(x.info.name, m.scenario, frozen, repeat("none"), repeat(None))
+                verdicts = [verdict(refs[i], st, rel[i], rtol, noise[i]) for i, st in enumerate(m.statuses)]
+                blocks.append(
+                    CellBlock(x.info.name, m.scenario, trainable_names, m.statuses, m.norms, rel, verdicts)
+                )
+            if (
+                frozen
+            ):  # frozen parameters cannot receive a gradient: recorded as none, not counted as trainable
+                blocks.append(
+                    CellBlock(x.info.name, m.scenario, frozen, ["none"] * len(frozen), [None] * len(frozen))
+                )
     first = trainable[0][1]
     expect = normalized_expect(spec.expect)
     check_against(expect, [s.name for s in scenarios], trainable_names)
@@ -632,7 +633,7 @@ def _flow_map(
         variants=tuple(x.info for x in measured),
         runs=tuple(runs),
         parameters=parameter_infos(named),
-        cells=tuple(cells),
+        cells=Cells(blocks),
         gradprobe_version=__version__,
         notes=dict(spec.notes),
         expect=expect,

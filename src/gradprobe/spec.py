@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .errors import SpecError
 from .scenarios import Scenario
@@ -250,8 +251,6 @@ def check_values(
 ) -> None:
     """Every parameter (``named``: the model's, listed once by the caller) and buffer (``buffers``:
     ``named_buffers()`` when the caller has listed them) has values."""
-    from torch.nn.parameter import is_lazy
-
     tensors = [*named, *(model.named_buffers() if buffers is None else buffers)]
     values = [t for _, t in tensors]
     if not any(map(is_lazy, values)) and not any(map(_IS_META, values)):

@@ -22,8 +22,8 @@ state, which two at once would interleave.
 Cost: one copy of the parameters, ``.grad`` and buffers (on their own device; one flat copy per
 device and dtype for plain tensors) for the duration of the probe, compared bit for bit at the end
 and written back where it differs (groups of many small tensors: one flatten and one comparison per
-group, a quarter of a write per tensor) or simply written back (big tensors, and groups of a few:
-fewer bytes moved, or fewer calls, than a comparison); both undo what no version counter records. A shallow copy of each module's ``__dict__``, and
+group, a quarter of a write per tensor) or simply written back (big tensors: fewer bytes moved than
+a comparison); both undo what no version counter records. A shallow copy of each module's ``__dict__``, and
 the values of the already imported compiler config modules (read from torch's own cache, the mutable
 ones copied: tens of microseconds). Few Python objects are held per parameter: the garbage collector
 traverses every one of them in each full collection the user's step sets off. The write-back goes through aliases with version counters of their own, so a
@@ -42,11 +42,13 @@ import importlib
 import operator
 import platform
 import random
+import struct
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar, copy_context
 from dataclasses import dataclass
 from itertools import chain, islice, repeat
 from typing import Any
@@ -54,24 +56,28 @@ from typing import Any
 import torch
 import torch.optim.optimizer
 import torch.utils.deterministic
+from torch.utils._config_module import ConfigModule
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
+class gc_paused:  # noqa: N801 (used as a function: ``with gc_paused():``)
     """The cyclic garbage collector off while gradprobe's own bookkeeping allocates (a snapshot of
     thousands of modules, the flow map's cells): its allocations would otherwise trigger collections
     that traverse the whole heap, the model's parameters included (two thirds of a snapshot's time at
-    4,000 modules). Never around the user's code: cycles a step creates are collected as usual."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+    4,000 modules). Never around the user's code: cycles a step creates are collected as usual. A
+    class, not a generator: entered several times per probe, it costs a fraction of a microsecond."""
+
+    __slots__ = ("_paused",)
+
+    def __enter__(self) -> None:
+        self._paused = gc.isenabled()
+        if self._paused:
+            gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._paused:
+            gc.enable()
 
 
 def _replaced(t: torch.Tensor, alias: torch.Tensor) -> bool:
@@ -106,7 +112,8 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
 _PLAIN_TYPES = frozenset(_PLAIN)
-_SET_TO_DEVICES = frozenset(("cpu", "cuda"))
+_IS_CPU = operator.attrgetter("is_cpu")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 def _all_plain(tensors: list[torch.Tensor], aliases: list[torch.Tensor]) -> bool:
@@ -116,7 +123,7 @@ def _all_plain(tensors: list[torch.Tensor], aliases: list[torch.Tensor]) -> bool
         set(map(type, tensors)) <= _PLAIN_TYPES
         and set(map(type, aliases)) <= {torch.Tensor}
         and set(map(_LAYOUT, aliases)) <= {torch.strided}
-        and {d.type for d in set(map(_DEVICE, aliases))} <= _SET_TO_DEVICES
+        and all(map(operator.or_, map(_IS_CPU, aliases), map(_IS_CUDA, aliases)))
         and not any(map(torch.Tensor.is_conj, aliases))
         and not any(map(torch.Tensor.is_neg, aliases))
         and all(map(torch.Tensor.is_contiguous, aliases))
@@ -211,9 +218,9 @@ class _Saved:
         Values are compared with their copy, not trusted to version counters: a change no version
         counter sees (``p.data.mul_(2)``, an in-kernel update of BatchNorm's running statistics, a
         write through NumPy) is undone like any other. Groups of many small tensors are compared bit
-        for bit first and written only where a group differs (``_unchanged_bits``); big tensors and
-        groups of a few are written back whether or not they changed (one write moves fewer bytes, or
-        makes fewer calls, than a comparison). The writes go
+        for bit first and written only where a group differs (``_unchanged_bits``); big tensors (and a
+        group of one) are written back whether or not they changed (one write moves fewer bytes than a
+        comparison). The writes go
         through the aliases, whose version counters are their own: a tensor the step left alone keeps
         its ``_version``, so autograd graphs that saved it before the probe stay usable.
         """
@@ -263,9 +270,10 @@ class _Saved:
 # Bigger tensors are written without a comparison: then the bytes moved decide, and a comparison reads
 # twice what a write moves.
 _COMPARE_NUMEL = 4096
-# Fewer tensors than this are written without a comparison: a write of a few costs no more than the
-# two calls and the host read of a comparison.
-_COMPARE_MIN = 32
+# Fewer tensors than this are written without a comparison (a test lowers and raises it). Even for a
+# few, the comparison costs less: cold, as a probe's restore runs, 10 small tensors take 126 us to
+# flatten and compare against 194 us to write through views (flat views, split, _foreach_copy_).
+_COMPARE_MIN = 2
 _COMPARE_CHUNK = 1 << 22  # elements flattened at a time: bounds the comparison's temporary memory
 
 
@@ -389,6 +397,7 @@ class _Attributes:
         self.tensor_hooks = {
             (i, name): (hooks, _contents(hooks))
             for name, found in zip(_TENSOR_HOOKS, self.hooks_now, strict=True)
+            if found.count(None) != len(found)  # most parameters have none: nothing to list
             for i, hooks in enumerate(found)
             if hooks is not None
         }
@@ -486,8 +495,7 @@ def _take_model_snapshot(
     grads = list(map(_GRAD, params))
     buffers = [b for m in modules for b in m._buffers.values() if b is not None]
     tensors: list[torch.Tensor] = [*params, *(g for g in grads if g is not None), *buffers]
-    with torch.no_grad():
-        saved = _Saved(tensors)
+    saved = _Saved(tensors)  # works on the tensors' ``.data`` aliases: nothing for autograd to record
     return _ModelState(params, list(map(_REQUIRES_GRAD, params)), grads, _Attributes(modules, params), saved)
 
 
@@ -499,18 +507,17 @@ def _restore_model(state: _ModelState) -> None:
 
 def _write_model_back(state: _ModelState) -> None:
     state.attributes.restore()
-    with torch.no_grad():
-        state.saved.restore()
-        if list(map(_REQUIRES_GRAD, state.params)) == state.requires_grad and all(
-            map(operator.is_, map(_GRAD, state.params), state.grads)
-        ):
-            return  # the usual case, tested at C speed: flags and .grad objects as they were
-        for p, requires_grad, grad in zip(state.params, state.requires_grad, state.grads, strict=True):
-            if p.requires_grad != requires_grad:
-                p.requires_grad_(requires_grad)
-            # The very .grad object the user had (optimizers and hooks may hold it), values as they were.
-            if p.grad is not grad:
-                p.grad = grad
+    state.saved.restore()  # through the ``.data`` aliases: nothing for autograd to record
+    if list(map(_REQUIRES_GRAD, state.params)) == state.requires_grad and all(
+        map(operator.is_, map(_GRAD, state.params), state.grads)
+    ):
+        return  # the usual case, tested at C speed: flags and .grad objects as they were
+    for p, requires_grad, grad in zip(state.params, state.requires_grad, state.grads, strict=True):
+        if p.requires_grad != requires_grad:
+            p.requires_grad_(requires_grad)
+        # The very .grad object the user had (optimizers and hooks may hold it), values as they were.
+        if p.grad is not grad:
+            p.grad = grad
 
 
 @dataclass
@@ -518,17 +525,16 @@ class _RngState:
     torch_cpu: torch.Tensor
     cuda: list[torch.Tensor] | None
     python: Any
-    numpy: Any
+    numpy: Any  # _NumpyState, or get_state()'s tuple
 
 
 def _snapshot_rng() -> _RngState:
-    cuda = (
-        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
+    # Not initialised: CUDA has no generator state yet (is_available alone costs more than this).
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     np_state = None
     np = sys.modules.get("numpy")
     if np is not None:
-        np_state = np.random.get_state()
+        np_state = _numpy_state(np)
     return _RngState(torch.get_rng_state(), cuda, random.getstate(), np_state)
 
 
@@ -541,36 +547,99 @@ def _restore_rng(state: _RngState) -> None:
         _restore_numpy_rng(sys.modules["numpy"], state.numpy)
 
 
-# NumPy's legacy RNG put back by writing its MT19937 state (624 words and a position) through the bit
-# generator's public ctypes address, after a reseed has cleared the cached Gaussian: 3 us instead of
-# set_state's 45 us (its state goes through Python dicts and checks). Only where the saved state had no
-# cached Gaussian, which set_state alone can put back; checked against get_state once per process.
-_NUMPY_FAST: list[bool] = []  # [] not yet checked; [True] or [False]
+# NumPy's legacy RNG (``np.random.seed`` and friends: an MT19937 and a cached Gaussian) read and put
+# back without ``get_state``/``set_state`` where that is exact: its 624 words and position through the
+# bit generator's public ctypes address (one memmove), its cached Gaussian (``has_gauss``, ``gauss``)
+# from the RandomState object's own memory at offsets found once per process on a private instance
+# and checked there against ``get_state`` with and without a cached Gaussian (only read there, never
+# written; any mismatch and ``get_state`` is used). ``get_state`` costs 40 us warm, 100 us cold (its
+# key goes through a Python-level loop); this, a few. The put-back writes the words after a reseed has
+# cleared the cached Gaussian, or calls ``set_state`` where one was cached.
 _MT_WORDS = 624
+_MT_BYTES = _MT_WORDS * 4 + 4  # the key and the position, as the C struct holds them
+_NUMPY_LAYOUT: list[Any] = []  # [] not yet checked; [None] use get_state; [(has_gauss, gauss offsets)]
+
+
+@dataclass
+class _NumpyState:
+    words: bytes  # the 624 key words and the position, as mt19937_state holds them
+    has_gauss: int
+    gauss: float
+
+    def as_tuple(self, np: Any) -> tuple[Any, ...]:
+        key = np.frombuffer(self.words[: _MT_WORDS * 4], dtype=np.uint32).copy()
+        pos = int.from_bytes(self.words[_MT_WORDS * 4 :], sys.byteorder, signed=True)
+        return ("MT19937", key, pos, self.has_gauss, self.gauss)
+
+
+def _numpy_layout(np: Any) -> tuple[int, int] | None:
+    """Offsets of ``has_gauss`` and ``gauss`` in a RandomState, checked on a private instance with
+    and without a cached Gaussian; None where they cannot be found (another NumPy build)."""
+    try:
+        rs_type = np.random.RandomState
+        size = rs_type.__basicsize__
+        probe = rs_type(12345)
+        probe.standard_normal()  # leaves the pair's second value cached
+        cached = probe.get_state()
+        if cached[3] != 1:
+            return None
+        memory = ctypes.string_at(id(probe), size)
+        target = struct.pack("d", cached[4])
+        candidates = [i for i in range(8, size - 7, 8) if memory[i : i + 8] == target]
+        if len(candidates) != 1:
+            return None
+        gauss_at = candidates[0]
+        has_at = gauss_at - 8  # int has_gauss, padded to the double's alignment
+        if ctypes.c_int.from_address(id(probe) + has_at).value != 1:
+            return None
+        probe.standard_normal()  # takes the cached value: has_gauss 0, gauss 0.0
+        empty = probe.get_state()
+        if empty[3] != 0 or ctypes.c_int.from_address(id(probe) + has_at).value != 0:
+            return None
+        if ctypes.c_double.from_address(id(probe) + gauss_at).value != empty[4]:
+            return None
+        return has_at, gauss_at
+    except Exception:
+        return None
+
+
+def _numpy_state(np: Any) -> Any:
+    """The legacy global RNG's state: a ``_NumpyState`` where its layout was found, else
+    ``get_state()``."""
+    rand = getattr(np.random.mtrand, "_rand", None)
+    if not _NUMPY_LAYOUT:
+        _NUMPY_LAYOUT.append(_numpy_layout(np))
+    layout = _NUMPY_LAYOUT[0]
+    if layout is None or type(rand) is not np.random.RandomState:
+        return np.random.get_state()
+    try:
+        bit_generator = rand._bit_generator
+        if type(bit_generator).__name__ != "MT19937":
+            return np.random.get_state()
+        address = bit_generator.ctypes.state_address
+    except Exception:
+        return np.random.get_state()
+    has_at, gauss_at = layout
+    return _NumpyState(
+        ctypes.string_at(address, _MT_BYTES),
+        ctypes.c_int.from_address(id(rand) + has_at).value,
+        ctypes.c_double.from_address(id(rand) + gauss_at).value,
+    )
 
 
 def _restore_numpy_rng(np: Any, saved: Any) -> None:
-    if _NUMPY_FAST == [False] or saved[0] != "MT19937" or saved[3] != 0:
-        np.random.set_state(saved)
+    if isinstance(saved, _NumpyState):
+        if saved.has_gauss:  # a cached Gaussian: only set_state puts it back
+            np.random.set_state(saved.as_tuple(np))
+            return
+        try:
+            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+            np.random.seed(0)  # clears the cached Gaussian (has_gauss = 0, gauss = 0.0)
+            ctypes.memmove(address, saved.words, _MT_BYTES)
+        except Exception:
+            np.random.set_state(saved.as_tuple(np))
         return
-    try:
-        address = np.random.mtrand._rand._bit_generator.ctypes.state_address
-        key = np.ascontiguousarray(saved[1], dtype=np.uint32)
-        if key.shape != (_MT_WORDS,):
-            raise ValueError("not an MT19937 key")
-        np.random.seed(0)  # clears the cached Gaussian (has_gauss = 0, gauss = 0.0)
-        ctypes.memmove(address, key.ctypes.data, _MT_WORDS * 4)
-        ctypes.c_int.from_address(address + _MT_WORDS * 4).value = int(saved[2])
-    except Exception:
-        _NUMPY_FAST[:] = [False]
-        np.random.set_state(saved)
-        return
-    if not _NUMPY_FAST:  # once: the state written is the state set_state would have set
-        now = np.random.get_state()
-        same = now[0] == saved[0] and bool((now[1] == saved[1]).all()) and tuple(now[2:]) == tuple(saved[2:])
-        _NUMPY_FAST[:] = [same]
-        if not same:
-            np.random.set_state(saved)
+    np.random.set_state(saved)  # get_state()'s tuple
 
 
 # ----- process-wide state: one mechanism ----------------------------------------------------------
@@ -590,16 +659,25 @@ class Global:
     read: Callable[[], Any]
     write: Callable[[Any], None]
     same: Callable[[Any, Any], bool] = _equal
+    # Held in ContextVars (torch's config modules, torch 2.10 and later): a probe run in a copy of the
+    # context (``contained``) leaves them alone, and needs no copy of them; see ``contained``.
+    contextual: bool = False
 
 
 GLOBALS: list[Global] = []
 
 
-def register(name: str, read: Callable[[], Any], write: Callable[[Any], None], same: Any = _equal) -> Global:
+def register(
+    name: str,
+    read: Callable[[], Any],
+    write: Callable[[Any], None],
+    same: Any = _equal,
+    contextual: bool = False,
+) -> Global:
     """Save and restore one more piece of process-wide state around every probe (restored in the order
     registered). Other parts of gradprobe add their own here (e.g. dynamo's skip marks) instead of
     saving it themselves."""
-    g = Global(name, read, write, same)
+    g = Global(name, read, write, same, contextual)
     GLOBALS.append(g)
     return g
 
@@ -648,12 +726,16 @@ def _same_stack(a: list[Any], b: list[Any]) -> bool:
 
 
 def _function_modes() -> list[Any]:
+    if not torch._C._len_torch_function_stack():  # the usual case: nothing to list
+        return []
     from torch.overrides import _get_current_function_mode_stack
 
     return _get_current_function_mode_stack()
 
 
 def _set_function_modes(saved: list[Any]) -> None:
+    if not saved and not torch._C._len_torch_function_stack():
+        return
     from torch.overrides import _pop_mode, _push_mode
 
     while torch._C._len_torch_function_stack():
@@ -663,12 +745,16 @@ def _set_function_modes(saved: list[Any]) -> None:
 
 
 def _dispatch_modes() -> list[Any]:
+    if not torch._C._len_torch_dispatch_stack():  # the usual case: nothing to list
+        return []
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return _get_current_dispatch_mode_stack()
 
 
 def _set_dispatch_modes(saved: list[Any]) -> None:
+    if not saved and not torch._C._len_torch_dispatch_stack():
+        return
     from torch.utils._python_dispatch import _pop_mode, _push_mode
 
     while torch._C._len_torch_dispatch_stack():
@@ -677,62 +763,49 @@ def _set_dispatch_modes(saved: list[Any]) -> None:
         _push_mode(mode)
 
 
-def _hook_dicts(module: Any) -> Callable[[], dict[str, Any]]:
-    """Module-level hook registries (dicts of handles, and the odd flag beside them). Their names are
-    listed once (``dir`` of a module costs more than the rest), again when the module's namespace
-    changes size."""
+def _hook_dicts(module: Any) -> Callable[[], tuple[tuple[str, Any, Any], ...]]:
+    """Module-level hook registries (dicts of handles, and the odd flag beside them): per name, the
+    object bound and, for a dict, its items (most are empty: ``()``). Their names are listed once
+    (``dir`` of a module costs more than the rest), again when the module's namespace changes size."""
     names: list[str] = []
     size = -1
 
-    def read() -> dict[str, Any]:
+    def read() -> tuple[tuple[str, Any, Any], ...]:
         nonlocal names, size
         if len(vars(module)) != size:
             size = len(vars(module))
-            names = [n for n in dir(module) if n.startswith("_global_")]
-        return {
-            name: dict(v) if isinstance(v, dict) else v
+            names = [
+                n
+                for n in dir(module)
+                if n.startswith("_global_") and (isinstance(getattr(module, n, None), dict) or "hook" in n)
+            ]
+        return tuple(
+            (name, v, (tuple(v.items()) if v else ()) if isinstance(v, dict) else None)
             for name in names
-            if (isinstance(v := getattr(module, name, None), dict) or "hook" in name)
-        }
+            for v in (getattr(module, name, None),)
+        )
 
     return read
 
 
-def _set_hook_dicts(module_name: str) -> Callable[[dict[str, Any]], None]:
-    def write(saved: dict[str, Any]) -> None:
+def _set_hook_dicts(module_name: str) -> Callable[[tuple[tuple[str, Any, Any], ...]], None]:
+    def write(saved: tuple[tuple[str, Any, Any], ...]) -> None:
         module = sys.modules[module_name]
-        for name, value in saved.items():
-            current = getattr(module, name, None)
-            if isinstance(value, dict) and isinstance(current, dict):
-                if list(current.items()) != list(value.items()):
-                    current.clear()
-                    current.update(value)
-            elif current is not value:
-                setattr(module, name, value)
+        for name, value, items in saved:
+            if getattr(module, name, None) is not value:
+                setattr(module, name, value)  # the very object the user's handles refer to
+            if items is not None and tuple(value.items()) != items:
+                value.clear()
+                value.update(items)
 
     return write
 
 
-def _same_hooks(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(
-        list(x.items()) == list(b[k].items()) if isinstance(x, dict) else x is b[k] for k, x in a.items()
+def _same_hooks(a: tuple[tuple[str, Any, Any], ...], b: tuple[tuple[str, Any, Any], ...]) -> bool:
+    """The same objects bound, dicts with the same items (compared in C: handles by identity first)."""
+    return len(a) == len(b) and all(
+        x[0] == y[0] and x[1] is y[1] and x[2] == y[2] for x, y in zip(a, b, strict=True)
     )
-
-
-def _flag(path: str) -> Global:
-    """A boolean attribute of a torch.backends module (cudnn, matmul precision flags)."""
-    module_name, _, attr = path.rpartition(".")
-    found: list[Any] = []  # the owner, looked up once: its path walk costs more than the flag
-
-    def owner() -> Any:
-        if not found:
-            obj: Any = torch
-            for part in module_name.split(".")[1:]:
-                obj = getattr(obj, part)
-            found.append(obj)
-        return found[0]
-
-    return register(path, lambda: getattr(owner(), attr), lambda v: setattr(owner(), attr, v))
 
 
 # Config modules restored value by value when already imported before the probe (a compile imports
@@ -854,6 +927,121 @@ def _copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _context_config_supported() -> bool:
+    """torch's config values are ContextVars (torch 2.10 and later): a copy of the context isolates
+    every ``setattr`` on a config module."""
+    from contextvars import ContextVar
+
+    from torch.utils import _config_module
+
+    try:  # a throwaway entry: its own ContextVar, registered nowhere
+        entry = _config_module._ConfigEntry(_config_module._Config(default=False), "gradprobe_probe")  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return _READONLY_CONFIG and isinstance(getattr(entry, "user_override", None), ContextVar)
+
+
+_CONTEXT_CONFIG = _context_config_supported()
+ContextVarGet = ContextVar.get
+_CONTEXT_IMMUTABLE = _IMMUTABLE_TYPES | {type(_UNSET)}
+# Per config module: the entries whose default is mutable (a list, set or dict; a first read copies it
+# into the entry's ContextVar, which an in-place edit then changes), their keys and ContextVars; listed
+# again when entries are added.
+_OVERRIDES: dict[str, tuple[int, list[str], list[Any]]] = {}
+
+
+def _overrides(module: Any) -> tuple[list[str], list[Any]]:
+    """The keys of ``module``'s config entries with a mutable default, and the ContextVars holding
+    what was set on them (about 50 of torch's 900 entries)."""
+    found = _OVERRIDES.get(module.__name__)
+    if found is None or found[0] != len(module._config):
+        keys = [
+            k
+            for k, e in module._config.items()
+            if getattr(e, "alias", None) is None and type(e.default) not in _IMMUTABLE_TYPES
+        ]
+        found = _OVERRIDES[module.__name__] = (
+            len(module._config),
+            keys,
+            [module._config[k].user_override for k in keys],
+        )
+    return found[1], found[2]
+
+
+_CONFIG_MODULES_SEEN: list[Any] = [-1, []]  # [len(sys.modules) when listed, the config modules then]
+
+
+def _config_modules() -> list[Any]:
+    """Every imported config module (torch's ``install_config_module``), listed again only when the
+    number of imported modules changed."""
+    n = len(sys.modules)
+    if _CONFIG_MODULES_SEEN[0] != n:
+        _CONFIG_MODULES_SEEN[:] = [n, [m for m in list(sys.modules.values()) if isinstance(m, ConfigModule)]]
+    return _CONFIG_MODULES_SEEN[1]
+
+
+def _mutable_configs(modules: list[Any]) -> list[tuple[Any, str, Any, Any]]:
+    """(module, key, value, copy) for every config value set before and mutable (a list, set or
+    dict): a copy of the context keeps what is set, not what is edited in place. One C-level pass
+    over each module's ContextVars; usually nothing is found."""
+    get = ContextVarGet
+    out = []
+    for module in modules:
+        try:
+            keys, overrides = _overrides(module)
+            values = list(map(get, overrides))
+            if values.count(_UNSET) == len(values) or set(map(type, values)) <= _CONTEXT_IMMUTABLE:
+                continue
+            out += [
+                (module, k, v, _copied(v))
+                for k, v in zip(keys, values, strict=True)
+                if type(v) not in _CONTEXT_IMMUTABLE
+            ]
+        except Exception:  # a value that cannot be copied, or entries of another shape: left alone
+            continue
+    return out
+
+
+def contained(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a copy of the current context: what it sets on torch's config modules (ContextVars)
+    is gone when it returns, without reading or comparing a value (the config modules hold about
+    900 of them; ``preserved(contained=True)`` then skips them). What is edited in place in a value
+    set before (a list ``append``) is put back from a copy. Config modules first imported by ``fn``
+    keep what was set in them (as ``preserved`` alone does: only modules imported before are
+    restored): their values are carried out of the copy. Without ContextVar configs (older torch),
+    just ``fn()``."""
+    if not _CONTEXT_CONFIG:
+        return fn()
+    before = _config_modules()
+    edited = _mutable_configs(before)
+    context = copy_context()
+    try:
+        return context.run(fn)
+    finally:
+        for module, key, value, saved in edited:
+            try:
+                if value is not saved and not _same_values({key: value}, {key: saved}):
+                    setattr(module, key, _copied(saved))
+            except Exception:
+                continue
+        now = _config_modules()
+        if now is not before:  # modules were imported: any config module among them?
+            known = set(map(id, before))
+            _carry_out(context, [m for m in now if id(m) not in known])
+
+
+def _carry_out(context: Any, modules: list[Any]) -> None:
+    """The values set inside ``context`` on config modules imported there, set here too."""
+    for module in modules:
+        for entry in list(getattr(module, "_config", {}).values()):
+            var = getattr(entry, "user_override", None)
+            if not isinstance(var, ContextVar):
+                continue
+            value = context.get(var, _UNSET)
+            if value is not _UNSET and var.get() is not value:
+                var.set(value)
+
+
 def _read_config(name: str) -> Callable[[], Any]:
     def read() -> Any:
         module = sys.modules.get(name)
@@ -894,44 +1082,116 @@ def _set_fill_uninitialized(saved: bool) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = saved  # type: ignore[attr-defined]
 
 
-register("grad mode", torch.is_grad_enabled, torch.set_grad_enabled)
-register("default dtype", torch.get_default_dtype, torch.set_default_dtype)
-register("deterministic algorithms", _deterministic, _set_deterministic)
-register(
-    "fill uninitialized memory",
-    lambda: torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
-    _set_fill_uninitialized,
-)
-register(
-    "anomaly mode",
-    lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-    lambda v: torch.autograd.set_detect_anomaly(*v),
-)
-register("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
-register("torch.autograd.grad", lambda: torch.autograd.grad, _set_autograd_grad, lambda a, b: a is b)
-register("intra-op threads", torch.get_num_threads, torch.set_num_threads)
-register("warn always", torch.is_warn_always_enabled, torch.set_warn_always)
-register("flush denormal", _flush_denormal, torch.set_flush_denormal)
-register("autograd multithreading", torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled)
-for _path in (
-    "torch.backends.cudnn.enabled",
-    "torch.backends.cudnn.benchmark",
-    "torch.backends.cudnn.deterministic",
-    "torch.backends.cudnn.allow_tf32",
-    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
-    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
-    "torch.backends.mkldnn.enabled",
-):
-    _flag(_path)
+def _set_anomaly(saved: tuple[bool, bool]) -> None:
+    torch.autograd.set_detect_anomaly(*saved)
 
 
-def _cuda_device() -> int:
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        raise LookupError("CUDA not initialised")  # nothing to save
-    return torch.cuda.current_device()
+def _getter_of(path: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Read and write a flag attribute of a ``torch.backends`` module, its owner looked up once (its
+    path walk costs more than the flag)."""
+    module_name, _, attr = path.rpartition(".")
+    found: list[Any] = []
+
+    def owner() -> Any:
+        if not found:
+            obj: Any = torch
+            for part in module_name.split(".")[1:]:
+                obj = getattr(obj, part)
+            found.append(obj)
+        return found[0]
+
+    return (lambda: getattr(owner(), attr)), (lambda v: setattr(owner(), attr, v))
 
 
-register("current CUDA device", _cuda_device, torch.cuda.set_device)
+# Process-wide settings that hold plain values, each a (name, read, write). They are read together as
+# one tuple (``_read_settings``: one piece of the registry instead of one per setting, a few
+# microseconds instead of tens for the registry's per-piece calls) and written back one by one where
+# they differ, every writer tried even if another raises.
+_SETTINGS: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = [
+    ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+    ("deterministic algorithms", _deterministic, _set_deterministic),
+    (
+        "fill uninitialized memory",
+        lambda: torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        _set_fill_uninitialized,
+    ),
+    (
+        "anomaly mode",
+        lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        _set_anomaly,
+    ),
+    ("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    ("torch.autograd.grad", lambda: torch.autograd.grad, _set_autograd_grad),
+    ("intra-op threads", torch.get_num_threads, torch.set_num_threads),
+    ("warn always", torch.is_warn_always_enabled, torch.set_warn_always),
+    ("flush denormal", _flush_denormal, torch.set_flush_denormal),
+    ("autograd multithreading", torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled),
+    *(
+        (path, *_getter_of(path))
+        for path in (
+            "torch.backends.cudnn.enabled",
+            "torch.backends.cudnn.benchmark",
+            "torch.backends.cudnn.deterministic",
+            "torch.backends.cudnn.allow_tf32",
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+            "torch.backends.mkldnn.enabled",
+        )
+    ),
+]
+
+
+def _readable(read: Callable[[], Any]) -> bool:
+    try:
+        read()
+    except Exception:
+        return False
+    return True
+
+
+# A setting this build cannot read (a backend not built in) is left out, as the registry leaves out a
+# piece it cannot read: not saved, so not restored.
+_SETTINGS = [x for x in _SETTINGS if _readable(x[1])]
+_SETTING_READERS = tuple(read for _, read, _ in _SETTINGS)
+
+
+def _read_settings() -> tuple[Any, ...]:
+    return tuple([read() for read in _SETTING_READERS])
+
+
+def _write_settings(saved: tuple[Any, ...]) -> None:
+    errors = []
+    for (_, read, write), value in zip(_SETTINGS, saved, strict=True):
+        try:
+            now = read()
+            # Identity first: a function (torch.autograd.grad) is compared as itself.
+            if now is not value and now != value:
+                write(value)
+        except Exception as e:  # each setting is restored even if another fails
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _same_settings(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return a == b  # the usual case, compared in C (identity first per item)
+
+
+register("settings", _read_settings, _write_settings, _same_settings)
+
+
+def _cuda_device() -> int | None:
+    # None (nothing to put back) while CUDA is not initialised: no exception raised on every probe.
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _set_cuda_device(saved: int | None) -> None:
+    if saved is not None:
+        torch.cuda.set_device(saved)
+
+
+register("current CUDA device", _cuda_device, _set_cuda_device)
 # The default device before the function-mode stack: its context lives at the stack's bottom.
 register("default device", _default_device_context, _set_default_device_context, lambda a, b: a is b)
 register("function-mode stack", _function_modes, _set_function_modes, _same_stack)
@@ -949,13 +1209,16 @@ register(
     _same_hooks,
 )
 for _name in CONFIG_MODULES:
-    register(_name, _read_config(_name), _write_config, _never_same)
+    register(_name, _read_config(_name), _write_config, _never_same, contextual=_CONTEXT_CONFIG)
 register("RNG streams", lambda: _snapshot_rng(), lambda v: _restore_rng(v), _never_same)
 
 
-def _snapshot_globals() -> list[tuple[Global, Any]]:
+def _snapshot_globals(contained: bool = False) -> list[tuple[Global, Any]]:
+    """Each registered piece's value (``contained``: not those a copy of the context isolates)."""
     saved = []
     for g in GLOBALS:
+        if contained and g.contextual:
+            continue
         try:
             saved.append((g, g.read()))
         except Exception:  # not readable here: not saved, so not restored
@@ -986,14 +1249,16 @@ def preserved(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter] | None = None,
     modules: list[torch.nn.Module] | None = None,
+    contained: bool = False,
 ) -> Iterator[None]:
     """Run the body, then put the model and every registered piece of process-wide state (``GLOBALS``:
     settings, RNG streams, mode stacks, hooks, configs) back as they were. Probes in several threads
     run one at a time. ``params`` and ``modules``: ``list(model.parameters())`` and
-    ``list(model.modules())`` when the caller has them already."""
+    ``list(model.modules())`` when the caller has them already. ``contained``: the caller runs inside
+    ``contained()``, which isolates the config modules: they are not copied here."""
     with _PROBE_LOCK:
         model_state = _snapshot_model(model, params, modules)
-        saved = _snapshot_globals()
+        saved = _snapshot_globals(contained)
         try:
             yield
         finally:
@@ -1035,13 +1300,22 @@ def reseed(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
+def _compiled_in(name: str) -> bool:
+    device = getattr(torch, name, None)
+    is_compiled = getattr(device, "_is_compiled", None)
+    return device is not None and (is_compiled is None or bool(is_compiled()))
+
+
+# Devices this build of torch has: one not compiled in is never available (asking costs 20 us cold).
+_SEEDED_DEVICES = [getattr(torch, n) for n in ("cuda", "xpu", "mtia") if _compiled_in(n)]
+
+
 def _manual_seed(seed: int) -> None:
     """``torch.manual_seed`` without its cost where a device is not built in (0.14 ms a call: each of
     cuda, xpu and mtia queues a lazy seed with a formatted stack when it is not initialised). Every
     device that is available is seeded through torch's own call, lazily queued as torch does."""
-    for name in ("cuda", "xpu", "mtia"):
-        device = getattr(torch, name, None)
-        if device is not None and device.is_available() and not device._is_in_bad_fork():
+    for device in _SEEDED_DEVICES:
+        if device.is_available() and not device._is_in_bad_fork():
             device.manual_seed_all(seed)
     if torch.backends.mps.is_available() and not torch.mps._is_in_bad_fork():
         torch.mps.manual_seed(seed)

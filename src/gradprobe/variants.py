@@ -257,6 +257,8 @@ def _registered_backends() -> list[str]:
 
 def parse_variants(given: str | Sequence[str | VariantSpec]) -> list[VariantSpec]:
     """``"eager,make_fx"`` or a list of spellings / VariantSpec objects, validated and de-duplicated."""
+    if given == EAGER and EAGER not in _USER_VARIANTS:  # the default, spelled out without a parse
+        return [VariantSpec(EAGER)]
     items = _split(given) if isinstance(given, str) else list(given)
     out: list[VariantSpec] = []
     for item in items:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,12 +83,19 @@ def _compile_entry(m: Any) -> dict[str, Any]:
     return entry
 
 
-def _hook_setter() -> Any:
+def _find_hook_setter() -> Any:
     try:
         from torch._C._dynamo.eval_frame import set_guard_complete_hook
     except ImportError:
         return None
     return set_guard_complete_hook
+
+
+_HOOK_SETTER = _find_hook_setter()  # looked up once: an import per window costs more than the window
+
+
+def _hook_setter() -> Any:
+    return _HOOK_SETTER
 
 
 class Watch:
@@ -123,22 +131,27 @@ class Watch:
 
     @contextlib.contextmanager
     def window(self, name: str) -> Iterator[Window]:
-        from torch._dynamo.utils import counters, get_compilation_metrics
-
+        # Dynamo's own records, read from its module where something imported it (a step may import
+        # it inside the window: then everything it recorded is new); never imported here.
         window = Window(name)
-        seen = {id(m) for m in get_compilation_metrics()}
-        breaks = dict(counters["graph_break"])
+        utils = sys.modules.get("torch._dynamo.utils")
+        seen = {id(m) for m in utils.get_compilation_metrics()} if utils is not None else set()
+        breaks = dict(utils.counters["graph_break"]) if utils is not None else {}
         outer, self._current = self._current, window
         try:
             yield window
         finally:
             self._current = outer
-            window.compiles = [_compile_entry(m) for m in get_compilation_metrics() if id(m) not in seen]
-            window.graph_breaks = {
-                reason.strip().splitlines()[0][:300]: n - breaks.get(reason, 0)
-                for reason, n in counters["graph_break"].items()
-                if n > breaks.get(reason, 0)
-            }
+            utils = sys.modules.get("torch._dynamo.utils")
+            if utils is not None:
+                window.compiles = [
+                    _compile_entry(m) for m in utils.get_compilation_metrics() if id(m) not in seen
+                ]
+                window.graph_breaks = {
+                    reason.strip().splitlines()[0][:300]: n - breaks.get(reason, 0)
+                    for reason, n in utils.counters["graph_break"].items()
+                    if n > breaks.get(reason, 0)
+                }
             self.windows[name] = window
 
     def to_dict(self) -> dict[str, Any]:
