@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import gradprobe
 from gradprobe.flowmap import SCHEMA, Cell, FlowMap, Run, RunError, ScenarioInfo, VariantInfo
@@ -100,3 +101,41 @@ def test_run_error_round_trips():
         **{**fm.__dict__, "runs": (Run("eager", "a only", {}, None, RunError("backward", "X", "m")),)}
     )
     assert FlowMap.from_json(fm.to_json()).runs[0].error == RunError("backward", "X", "m")
+
+
+def test_a_probes_cells_behave_as_a_tuple_and_are_made_on_first_use():
+    # A probe keeps its cells as columns (Cells of CellBlock) and makes Cell objects only when asked:
+    # to every reader the sequence is a tuple of the same cells.
+    import dataclasses
+    import pickle
+
+    from gradprobe.flowmap import Cells
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)  # a frozen parameter: its own block of "none" cells
+
+    def step(m, x):
+        y = m(x)
+        return {"a": y[:, 0].square().mean(), "b": m[2].bias.square().sum()}
+
+    x = torch.randn(5, 3)
+    alone = gradprobe.probe(model, step, x, progress=False)
+    assert isinstance(alone.cells, Cells) and alone.cells._made is None, "the diagnosis made Cell objects"
+    by_status = {k: dict(v) for k, v in alone._by_status.items()}  # read from the columns
+    plain = dataclasses.replace(alone, cells=tuple(alone.cells))
+    assert {k: dict(v) for k, v in plain._by_status.items()} == by_status
+    assert alone.with_status("eager", "b only", "none") == ["0.weight", "2.weight", "0.bias"]  # frozen last
+
+    fm = gradprobe.probe(model, step, x, variants="eager,make_fx", progress=False)
+    cells = fm.cells
+    assert isinstance(cells, Cells)
+    made = tuple(cells)
+    assert len(cells) == len(made) == 2 * 3 * 4 and cells == made and made == tuple(cells)
+    assert cells[0] is made[0] and cells[-3:] == made[-3:] and cells.index(made[5]) == 5
+    assert cells + () == made and () + cells == made and (made[0],) + cells == (made[0], *made)
+    assert {c.status for c in cells if c.parameter == "0.bias"} == {"none"}
+    assert pickle.loads(pickle.dumps(cells)) == made
+    plain = dataclasses.replace(fm, cells=made)
+    assert plain == fm and FlowMap.from_json(fm.to_json()) == fm
+    assert plain.cells_of("make_fx", "a only") == fm.cells_of("make_fx", "a only")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,126 @@ class Finding:
     references: tuple[str, ...] = ()
 
 
+class CellBlock:
+    """The cells of one run, or of a run's frozen parameters, as columns: what a probe measured, kept
+    as it came (lists), a ``Cell`` made of each row only when someone asks (``Cells``)."""
+
+    __slots__ = ("names", "norms", "rel_errors", "scenario", "statuses", "variant", "verdicts")
+
+    def __init__(
+        self,
+        variant: str,
+        scenario: str,
+        names: Sequence[str],
+        statuses: Sequence[str],
+        norms: Sequence[float | None],
+        rel_errors: Sequence[float | None] | None = None,
+        verdicts: Sequence[str | None] | None = None,
+    ) -> None:
+        self.variant = variant
+        self.scenario = scenario
+        self.names = names
+        self.statuses = statuses
+        self.norms = norms
+        self.rel_errors = rel_errors
+        self.verdicts = verdicts
+
+    def cells(self) -> Iterator[Cell]:
+        """The rows as ``Cell`` objects, made at C speed (``map`` over the columns)."""
+        return map(
+            _make_cell,
+            repeat(self.variant),
+            repeat(self.scenario),
+            self.names,
+            self.statuses,
+            self.norms,
+            repeat(None) if self.rel_errors is None else self.rel_errors,
+            repeat(None) if self.verdicts is None else self.verdicts,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            CellBlock,
+            (
+                self.variant,
+                self.scenario,
+                self.names,
+                self.statuses,
+                self.norms,
+                self.rel_errors,
+                self.verdicts,
+            ),
+        )
+
+
+class Cells(Sequence[Cell]):
+    """A probe's cells: a sequence of ``Cell`` that behaves as a tuple of them (iteration, ``len``,
+    indexing and slicing, ``+`` with a tuple either way, equality with a tuple), kept as ``CellBlock``
+    columns and made into ``Cell`` objects on first use. A probe of a large model measures thousands of
+    cells per run: the diagnosis reads them by status straight from the columns (``FlowMap.with_status``),
+    and a caller that never looks at single cells never pays for them."""
+
+    __slots__ = ("_blocks", "_made")
+
+    def __init__(self, blocks: Iterable[CellBlock]) -> None:
+        self._blocks = tuple(blocks)
+        self._made: tuple[Cell, ...] | None = None
+
+    @property
+    def blocks(self) -> tuple[CellBlock, ...]:
+        return self._blocks
+
+    def _all(self) -> tuple[Cell, ...]:
+        if self._made is None:
+            self._made = tuple(chain.from_iterable(b.cells() for b in self._blocks))
+        return self._made
+
+    def __len__(self) -> int:
+        return sum(len(b.names) for b in self._blocks)
+
+    def __iter__(self) -> Iterator[Cell]:
+        return iter(self._all())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __add__(self, other: Any) -> tuple[Cell, ...]:
+        return self._all() + tuple(other)
+
+    def __radd__(self, other: Any) -> tuple[Cell, ...]:
+        return tuple(other) + self._all()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, tuple | Cells):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Cells, (self._blocks,))
+
+
+def _by_status_of_blocks(blocks: Iterable[CellBlock]) -> dict[tuple[str, str], dict[str, list[str]]]:
+    """``FlowMap._by_status`` from a probe's columns: per run, its parameters of each status, in
+    order, at C speed (one ``compress`` per status present). A probe lists each parameter once per
+    run (the frozen ones in a block of their own), so nothing is overwritten as in ``_index``."""
+    out: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for b in blocks:
+        groups = out.setdefault((b.variant, b.scenario), {})
+        statuses = b.statuses
+        present = set(statuses)
+        if len(present) == 1:
+            groups.setdefault(next(iter(present)), []).extend(b.names)
+            continue
+        for st in present:
+            groups.setdefault(st, []).extend(compress(b.names, map(st.__eq__, statuses)))
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class FlowMap:
     """Result of a probe. Equality compares the serialised form (so NaN norms compare equal)."""
@@ -132,7 +253,7 @@ class FlowMap:
     variants: tuple[VariantInfo, ...]
     runs: tuple[Run, ...]
     parameters: tuple[ParameterInfo, ...]
-    cells: tuple[Cell, ...]
+    cells: Sequence[Cell]  # a tuple, or a probe's ``Cells`` (made into Cell objects on first use)
     findings: tuple[Finding, ...] = ()
     gradprobe_version: str = ""
     notes: dict[str, str] = field(default_factory=dict)
@@ -157,13 +278,20 @@ class FlowMap:
             index.setdefault((c.variant, c.scenario), {})[c.parameter] = c
         return index
 
-    @property
+    @cached_property
     def variant_names(self) -> tuple[str, ...]:
         return tuple(v.name for v in self.variants)
 
-    @property
+    @cached_property
     def scenario_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.scenarios)
+
+    @cached_property
+    def _runs(self) -> dict[tuple[str, str], Run]:
+        index: dict[tuple[str, str], Run] = {}
+        for r in self.runs:
+            index.setdefault((r.variant, r.scenario), r)  # the first, as a scan would find
+        return index
 
     @cached_property
     def trainable(self) -> tuple[str, ...]:
@@ -182,10 +310,10 @@ class FlowMap:
         raise KeyError(f"no variant {name!r}{did_you_mean(name, self.variant_names)}")
 
     def run(self, variant: str, scenario: str) -> Run:
-        for r in self.runs:
-            if r.variant == variant and r.scenario == scenario:
-                return r
-        raise KeyError(f"no run for variant {variant!r}, scenario {scenario!r}")
+        found = self._runs.get((variant, scenario))
+        if found is None:
+            raise KeyError(f"no run for variant {variant!r}, scenario {scenario!r}")
+        return found
 
     def cells_of(self, variant: str, scenario: str) -> dict[str, Cell]:
         """Cells of one run by parameter name (empty when the run failed)."""
@@ -204,12 +332,29 @@ class FlowMap:
     def _by_status(self) -> dict[tuple[str, str], dict[str, list[str]]]:
         """Per run, the parameters of each status in cell order (one pass over the cells: several
         detectors ask which parameters are non-finite or reached, for thousands of parameters)."""
+        cells = self.cells
+        if isinstance(cells, Cells) and cells._made is None:
+            return _by_status_of_blocks(cells.blocks)
+        # Each run's statuses by parameter as ``_index`` has them (a parameter listed twice keeps its
+        # last cell), without a dict of cells: the cells come run by run, so a run is looked up only
+        # when it changes.
+        per_run: dict[tuple[str, str], dict[str, str]] = {}
+        variant = scenario = None
+        statuses: dict[str, str] = {}
+        for c in self.cells:
+            if c.variant is not variant or c.scenario is not scenario:
+                variant, scenario = c.variant, c.scenario
+                statuses = per_run.setdefault((variant, scenario), {})
+            statuses[c.parameter] = c.status
         out: dict[tuple[str, str], dict[str, list[str]]] = {}
-        for key, cells in self._index.items():
+        for key, statuses in per_run.items():
             groups: dict[str, list[str]] = {}
             out[key] = groups
-            for p, c in cells.items():
-                groups.setdefault(c.status, []).append(p)
+            if len(set(statuses.values())) == 1:  # the usual case: one status for the whole run
+                groups[next(iter(statuses.values()))] = list(statuses)
+                continue
+            for p, st in statuses.items():
+                groups.setdefault(st, []).append(p)
         return out
 
     def with_status(self, variant: str, scenario: str, *statuses: str) -> list[str]:
