@@ -10,6 +10,7 @@ on no parameter by value: not a cut, or a more specific cause would have named i
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
+from ..status import INF, NAN, NONZERO
 from .common import Explained
 
 CAUSE = "dead-term"
@@ -26,8 +27,8 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         (term,) = s.terms
         run = fm.run(ref, s.name)
         no_path = run.error is not None and run.error.type == "NoGradPath"
-        cells = fm.cells_of(ref, s.name).values()
-        if not no_path and (run.error is not None or any(c.status not in ("none", "zero") for c in cells)):
+        reaches = fm.with_status(ref, s.name, NONZERO, NAN, INF)
+        if not no_path and (run.error is not None or reaches):
             continue  # it reaches something, failed otherwise, or is non-finite (nonfinite-grad)
         depends = (lineage.get(term) or {}).get("depends_on")
         why = (

@@ -8,6 +8,7 @@ at 0); it trains after the first steps and must not be frozen. One with *no grad
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
+from ..status import ZERO
 from .common import Explained, module_of, names, note_for
 
 CAUSE = "unused-parameter"
@@ -26,8 +27,8 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
     unused = [p for p in fm.trainable if p not in reached and p not in skip]
     if not unused:
         return []
-    zero = [p for p in unused if any(fm.cells_of(ref, s.name).get(p) and fm.cell(ref, s.name, p).status == "zero"
-                                     for s in ok)]  # fmt: skip
+    zeros = set().union(*(fm.with_status(ref, s.name, ZERO) for s in ok))
+    zero = [p for p in unused if p in zeros]
     none = [p for p in unused if p not in zero]
     notes = {p: n for p in unused if (n := note_for(p, fm.notes)) is not None}
     findings = []
