@@ -109,7 +109,7 @@ def test_a_probes_cells_behave_as_a_tuple_and_are_made_on_first_use():
     import dataclasses
     import pickle
 
-    from gradprobe.flowmap import Cells
+    from gradprobe.flowmap import Cells, Parameters
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
@@ -126,6 +126,16 @@ def test_a_probes_cells_behave_as_a_tuple_and_are_made_on_first_use():
     plain = dataclasses.replace(alone, cells=tuple(alone.cells))
     assert {k: dict(v) for k, v in plain._by_status.items()} == by_status
     assert alone.with_status("eager", "b only", "none") == ["0.weight", "2.weight", "0.bias"]  # frozen last
+    params = alone.parameters  # likewise kept as columns: the diagnosis read the trainable names only
+    assert isinstance(params, Parameters) and params._made is None
+    assert alone.trainable == ("0.weight", "2.weight", "2.bias")
+    assert [(p.name, p.shape, p.numel, p.requires_grad) for p in params] == [
+        ("0.weight", (4, 3), 12, True), ("0.bias", (4,), 4, False), ("2.weight", (2, 4), 8, True), ("2.bias", (2,), 2, True),
+    ]  # fmt: skip
+    assert (
+        pickle.loads(pickle.dumps(params)) == tuple(params)
+        and dataclasses.replace(alone, parameters=tuple(params)) == alone
+    )
 
     fm = gradprobe.probe(model, step, x, variants="eager,make_fx", progress=False)
     cells = fm.cells

@@ -521,3 +521,23 @@ def test_the_bitwise_comparison_in_chunks(monkeypatch, chunk, changed):
     if changed is not None:
         targets[changed][-1] = -targets[changed][-1]
     assert state._unchanged_bits(targets, flat) is (changed is None)
+
+
+def test_cublas_reduced_precision_settings_are_put_back_with_their_split_k_flag():
+    # cuBLAS keeps two flags per setting (reduced precision, split-k); the attribute sets both from
+    # one bool. The probe reads and writes the pair, so a user's split-k choice survives a step that
+    # sets the attribute.
+    get = torch._C._get_cublas_allow_fp16_reduced_precision_reduction
+    put = torch._C._set_cublas_allow_fp16_reduced_precision_reduction
+    before = get()
+
+    def step(m, b):
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
+        return {"a": m(b).pow(2).mean()}
+
+    try:
+        put(False, False)  # setting the attribute back to False would give (False, True)
+        gradprobe.probe(nn.Linear(2, 1), step, torch.ones(3, 2), progress=False)
+        assert get() == (False, False)
+    finally:
+        put(*before)

@@ -534,7 +534,7 @@ def test_the_reader_does_not_import_anything_that_deserialises_objects():
     source = Path(sys.modules[FlowMap.__module__].__file__).read_text()
     imports = re.findall(r"^\s*(?:from|import) ([\w.]+)", source, flags=re.MULTILINE)
     assert set(imports) <= {"__future__", "json", "math", "os", "collections.abc", "dataclasses", "functools",
-                            "itertools", "pathlib", "typing", ".compare", ".errors", ".status"}, imports  # fmt: skip
+                            "itertools", "operator", "pathlib", "typing", ".compare", ".errors", ".status"}, imports  # fmt: skip
     for call in ("pickle.", "torch.load", "marshal.", "eval(", "exec(", "__import__"):
         assert call not in source, call
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .errors import SpecError, did_you_mean
+
+_DEVICE = operator.attrgetter("device")
 
 
 def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
@@ -22,9 +25,26 @@ def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Ten
             yield from tensors_in(v, f"{path}[{i}]")
 
 
-def check_not_inference(batch: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors of ``tensors_in`` without their paths (spelled only for an error message)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, list | tuple):
+        for v in batch:
+            yield from _tensors(v)
+
+
+_IS_INFERENCE = torch.Tensor.is_inference
+
+
+def check_not_inference(batch: Any, named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Inference tensors (made under ``torch.inference_mode()``) can never be recorded by autograd, not
     even after leaving inference mode: a clear error instead of "nothing reached"."""
+    if not any(map(_IS_INFERENCE, (p for _, p in named))) and not any(map(_IS_INFERENCE, _tensors(batch))):
+        return  # the usual case, without a path spelled per tensor
     for name, p in named:
         if p.is_inference():
             raise SpecError(
@@ -46,10 +66,12 @@ def check_devices(batch: Any, model: torch.nn.Module, params: Iterable[torch.Ten
 
     ``params``: the model's parameters when the caller has listed them already (a module walk saved).
     """
-    devices = {p.device for p in (model.parameters() if params is None else params)}
+    devices = set(map(_DEVICE, model.parameters() if params is None else params))
     if len(devices) != 1:
         return  # model-parallel: the step moves data itself
     (device,) = devices
+    if all(t.device == device or t.dim() == 0 for t in _tensors(batch)):
+        return  # the usual case, without a path spelled per tensor
     for path, t in tensors_in(batch):
         if t.device != device and t.dim() > 0:
             raise SpecError(

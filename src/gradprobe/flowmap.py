@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import Any
@@ -120,6 +120,27 @@ class Finding:
     references: tuple[str, ...] = ()
 
 
+class _cached:  # noqa: N801 (a decorator, spelled as functools' cached_property it stands for)
+    """``functools.cached_property`` without its lock (Python 3.11 takes an RLock on every first
+    access, a microsecond each; a flow map's queries are pure, so two threads computing one at once
+    would store equal values). The value is stored in the instance's ``__dict__``, which then shadows
+    this non-data descriptor."""
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+        self.name = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
+
+
 class CellBlock:
     """The cells of one run, or of a run's frozen parameters, as columns: what a probe measured, kept
     as it came (lists), a ``Cell`` made of each row only when someone asks (``Cells``)."""
@@ -172,45 +193,37 @@ class CellBlock:
         )
 
 
-class Cells(Sequence[Cell]):
-    """A probe's cells: a sequence of ``Cell`` that behaves as a tuple of them (iteration, ``len``,
-    indexing and slicing, ``+`` with a tuple either way, equality with a tuple), kept as ``CellBlock``
-    columns and made into ``Cell`` objects on first use. A probe of a large model measures thousands of
-    cells per run: the diagnosis reads them by status straight from the columns (``FlowMap.with_status``),
-    and a caller that never looks at single cells never pays for them."""
+class _Lazy(Sequence[Any]):
+    """A tuple made on first use: iteration, ``len``, indexing and slicing, ``+`` with a tuple either
+    way, equality with a tuple. Subclasses keep columns and say how to make the items (``_make``)."""
 
-    __slots__ = ("_blocks", "_made")
+    __slots__ = ("_made",)
 
-    def __init__(self, blocks: Iterable[CellBlock]) -> None:
-        self._blocks = tuple(blocks)
-        self._made: tuple[Cell, ...] | None = None
+    def __init__(self) -> None:
+        self._made: tuple[Any, ...] | None = None
 
-    @property
-    def blocks(self) -> tuple[CellBlock, ...]:
-        return self._blocks
+    def _make(self) -> Iterable[Any]:
+        raise NotImplementedError
 
-    def _all(self) -> tuple[Cell, ...]:
+    def _all(self) -> tuple[Any, ...]:
         if self._made is None:
-            self._made = tuple(chain.from_iterable(b.cells() for b in self._blocks))
+            self._made = tuple(self._make())
         return self._made
 
-    def __len__(self) -> int:
-        return sum(len(b.names) for b in self._blocks)
-
-    def __iter__(self) -> Iterator[Cell]:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._all())
 
     def __getitem__(self, i: Any) -> Any:
         return self._all()[i]
 
-    def __add__(self, other: Any) -> tuple[Cell, ...]:
+    def __add__(self, other: Any) -> tuple[Any, ...]:
         return self._all() + tuple(other)
 
-    def __radd__(self, other: Any) -> tuple[Cell, ...]:
+    def __radd__(self, other: Any) -> tuple[Any, ...]:
         return tuple(other) + self._all()
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, tuple | Cells):
+        if isinstance(other, tuple | _Lazy):
             return self._all() == tuple(other)
         return NotImplemented
 
@@ -219,8 +232,70 @@ class Cells(Sequence[Cell]):
     def __repr__(self) -> str:
         return repr(self._all())
 
+
+class Cells(_Lazy):
+    """A probe's cells: a sequence of ``Cell`` that behaves as a tuple of them (``_Lazy``), kept as
+    ``CellBlock`` columns and made into ``Cell`` objects on first use. A probe of a large model measures
+    thousands of cells per run: the diagnosis reads them by status straight from the columns
+    (``FlowMap.with_status``), and a caller that never looks at single cells never pays for them."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: Iterable[CellBlock]) -> None:
+        super().__init__()
+        self._blocks = tuple(blocks)
+
+    @property
+    def blocks(self) -> tuple[CellBlock, ...]:
+        return self._blocks
+
+    def _make(self) -> Iterable[Cell]:
+        return chain.from_iterable(b.cells() for b in self._blocks)
+
+    def __len__(self) -> int:
+        return sum(len(b.names) for b in self._blocks)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (Cells, (self._blocks,))
+
+
+class Parameters(_Lazy):
+    """A probe's ``ParameterInfo`` list as columns (``_Lazy``): names, shapes, sizes, ``requires_grad``,
+    one dtype and one device; made into objects on first use (the diagnosis asks only for the
+    trainable names, read from the columns)."""
+
+    __slots__ = ("device", "dtype", "names", "numels", "requires_grad", "shapes")
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        numels: Sequence[int],
+        requires_grad: Sequence[bool],
+        dtype: str,
+        device: str,
+    ) -> None:
+        super().__init__()
+        self.names, self.shapes, self.numels, self.requires_grad = names, shapes, numels, requires_grad
+        self.dtype, self.device = dtype, device
+
+    def _make(self) -> Iterable[ParameterInfo]:
+        return map(
+            _make_parameter_info, self.names, self.shapes, self.numels, self.requires_grad,
+            repeat(self.dtype), repeat(self.device),
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def trainable(self) -> tuple[str, ...]:
+        return tuple(compress(self.names, self.requires_grad))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            Parameters,
+            (self.names, self.shapes, self.numels, self.requires_grad, self.dtype, self.device),
+        )
 
 
 def _by_status_of_blocks(blocks: Iterable[CellBlock]) -> dict[tuple[str, str], dict[str, list[str]]]:
@@ -252,7 +327,7 @@ class FlowMap:
     scenarios: tuple[ScenarioInfo, ...]
     variants: tuple[VariantInfo, ...]
     runs: tuple[Run, ...]
-    parameters: tuple[ParameterInfo, ...]
+    parameters: Sequence[ParameterInfo]  # a tuple, or a probe's ``Parameters`` (made on first use)
     cells: Sequence[Cell]  # a tuple, or a probe's ``Cells`` (made into Cell objects on first use)
     findings: tuple[Finding, ...] = ()
     gradprobe_version: str = ""
@@ -271,34 +346,37 @@ class FlowMap:
 
     # ----- queries -------------------------------------------------------------------------------
 
-    @cached_property
+    @_cached
     def _index(self) -> dict[tuple[str, str], dict[str, Cell]]:
         index: dict[tuple[str, str], dict[str, Cell]] = {}
         for c in self.cells:
             index.setdefault((c.variant, c.scenario), {})[c.parameter] = c
         return index
 
-    @cached_property
+    @_cached
     def variant_names(self) -> tuple[str, ...]:
         return tuple(v.name for v in self.variants)
 
-    @cached_property
+    @_cached
     def scenario_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.scenarios)
 
-    @cached_property
+    @_cached
     def _runs(self) -> dict[tuple[str, str], Run]:
         index: dict[tuple[str, str], Run] = {}
         for r in self.runs:
             index.setdefault((r.variant, r.scenario), r)  # the first, as a scan would find
         return index
 
-    @cached_property
+    @_cached
     def trainable(self) -> tuple[str, ...]:
         """Names of the parameters that can receive a gradient (``requires_grad=True``)."""
-        return tuple(p.name for p in self.parameters if p.requires_grad)
+        params = self.parameters
+        if isinstance(params, Parameters) and params._made is None:
+            return params.trainable()
+        return tuple(p.name for p in params if p.requires_grad)
 
-    @cached_property
+    @_cached
     def trainable_set(self) -> frozenset[str]:
         """``trainable`` as a set, for membership tests (a flow map may hold 100,000 parameters)."""
         return frozenset(self.trainable)
@@ -328,7 +406,7 @@ class FlowMap:
     def statuses(self, variant: str, scenario: str) -> dict[str, str]:
         return {p: c.status for p, c in self.cells_of(variant, scenario).items()}
 
-    @cached_property
+    @_cached
     def _by_status(self) -> dict[tuple[str, str], dict[str, list[str]]]:
         """Per run, the parameters of each status in cell order (one pass over the cells: several
         detectors ask which parameters are non-finite or reached, for thousands of parameters)."""
@@ -1219,8 +1297,21 @@ def _loads(text: str) -> Any:
         raise FlowMapFormatError(f"malformed flow map: a number too large to read ({e})") from None
 
 
-def parameter_infos(named: Iterable[tuple[str, Any]]) -> tuple[ParameterInfo, ...]:
-    """ParameterInfo for each (name, parameter) pair."""
+def parameter_infos(named: Iterable[tuple[str, Any]]) -> Sequence[ParameterInfo]:
+    """ParameterInfo for each (name, parameter) pair: ``Parameters`` columns where they share one dtype
+    and one device, else a tuple."""
+    named = list(named)
+    params = [p for _, p in named]
+    dtypes, devices = set(map(_DTYPE, params)), set(map(_DEVICE, params))
+    if len(dtypes) == 1 and len(devices) == 1:  # the usual case: columns, objects made on first use
+        return Parameters(  # type: ignore[return-value]
+            [n for n, _ in named],
+            list(map(tuple, map(_SHAPE, params))),
+            list(map(_NUMEL, params)),
+            list(map(_REQUIRES_GRAD, params)),
+            str(dtypes.pop()).removeprefix("torch."),
+            str(devices.pop()),
+        )
     names: dict[Any, str] = {}  # dtype and device names, spelled once each (thousands of parameters)
     out = []
     for n, p in named:
@@ -1261,3 +1352,8 @@ def _parameter_info_maker() -> Any:
 
 
 _make_parameter_info = _parameter_info_maker()
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_SHAPE = operator.attrgetter("shape")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_NUMEL = operator.methodcaller("numel")

@@ -257,32 +257,30 @@ def per_term(
     scenarios = scenarios_for(list(terms))
     needed = [t for t in terms if any(t in s.terms for s in scenarios)]
     multi = [s for s in scenarios if len(s.terms) > 1]
-    plan = plan_for(params) if needed else None
-    # A few gradients (a small model) are all held and read at once: one copy to the host per probe
-    # instead of one per scenario, where those copies and their calls are most of what the probe
-    # adds to the step. More are read term by term, so that each term's are released before the
-    # next backward (see _Reductions).
-    hold = plan is not None and plan.size <= HELD_TENSORS
-    reductions = _Reductions(list(terms), _stacked_values(terms), keep, plan, hold)
+    # A few gradients (a small model) are all held and reduced after the last backward, read at once:
+    # the backward passes run back to back, as in a plain training step (gradprobe's bookkeeping in
+    # between slows the next one down: its caches go cold), and there is one copy to the host per
+    # probe instead of one per scenario. More are reduced and read term by term, so that each term's
+    # are released before the next backward (see _Reductions).
+    hold = len(params) <= HELD_TENSORS
     forward_seconds = time.perf_counter() - start
-
-    sums: dict[str, _Sum] = {s.name: _Sum(plan) for s in multi}
+    plan: Plan | None = None
+    reductions: _Reductions | None = None
+    sums: dict[str, _Sum] = {}
     acc_error: dict[str, RunError | None] = {s.name: None for s in multi}
     results: dict[str, Measurement] = {}
     by_term: dict[str, Measurement] = {}
-    for k, t in enumerate(needed):
-        t0 = time.perf_counter()
-        grads: Grads | None = None
-        error: RunError | None = None
-        if not terms[t].requires_grad:
-            error = no_grad_path(f"term {t!r}")
-        else:
-            try:
-                grads = list(
-                    torch.autograd.grad(terms[t], params, retain_graph=k < len(needed) - 1, allow_unused=True)
-                )
-            except Exception as e:
-                error = run_error("backward", e)
+
+    def take(t: str, grads: Grads | None, error: RunError | None, seconds: float) -> None:
+        """One term's gradients into its own scenario and the sums of the scenarios it is part of."""
+        nonlocal plan, reductions
+        if reductions is None:  # set up at the first term: after the backward passes when held
+            plan = plan_for(params) if needed else None
+            reductions = _Reductions(
+                list(terms), _stacked_values(terms), keep, plan, hold and plan is not None
+            )
+            sums.update((s.name, _Sum(plan)) for s in multi)
+        t0 = time.perf_counter() - seconds  # a measurement's seconds count its backward
         launched = plan.take(grads) if plan is not None and grads is not None else None
         for s in scenarios:
             if s.terms == (t,):
@@ -294,7 +292,29 @@ def per_term(
                 acc_error[s.name] = acc_error[s.name] or error
             elif grads is not None:
                 sums[s.name].add(grads, launched, t)
-        del grads, launched
+
+    held: list[tuple[str, Grads | None, RunError | None, float]] = []
+    for k, t in enumerate(needed):
+        t0 = time.perf_counter()
+        grads: Grads | None = None
+        error: RunError | None = None
+        if not terms[t].requires_grad:
+            error = no_grad_path(f"term {t!r}")
+        else:
+            try:
+                grads = list(term_grads(terms[t], params, retain_graph=k < len(needed) - 1))
+            except Exception as e:
+                error = run_error("backward", e)
+        if hold:
+            held.append((t, grads, error, time.perf_counter() - t0))
+        else:
+            take(t, grads, error, time.perf_counter() - t0)
+        del grads
+    for item in held:
+        take(*item)
+    held.clear()
+    if reductions is None:  # no term to differentiate
+        reductions = _Reductions(list(terms), _stacked_values(terms), keep)
     for s in multi:
         t0 = time.perf_counter()
         error = acc_error[s.name]
@@ -309,6 +329,36 @@ def per_term(
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
     return list(terms), scenarios, [results[s.name] for s in scenarios]
+
+
+# torch.autograd.grad as torch ships it, and the engine call it ends in (torch 2.2 and later).
+_TORCH_GRAD = torch.autograd.grad
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_has_torch_function = torch._C._has_torch_function
+
+
+def term_grads(term: torch.Tensor, params: Sequence[torch.Tensor], retain_graph: bool) -> Sequence[Any]:
+    """``torch.autograd.grad(term, params, retain_graph=retain_graph, allow_unused=True)``.
+
+    Where that call would do nothing but prepare its arguments and call autograd's engine (a plain
+    real scalar tensor, no ``__torch_function__`` on it or the parameters, no function mode, and
+    ``torch.autograd.grad`` itself not replaced by a user or a recorder), the engine is called
+    directly with what ``grad`` would pass it (a grad_output of ones like the term): ``grad``'s
+    argument checks cost a Python call per parameter and an import per call, about a tenth of a
+    small model's backward, three times per probe."""
+    if (
+        _ENGINE_RUN_BACKWARD is None
+        or torch.autograd.grad is not _TORCH_GRAD
+        or type(term) is not torch.Tensor
+        or term.is_complex()
+        or term.is_nested
+        or _has_torch_function((term, *params))
+    ):
+        return torch.autograd.grad(term, params, retain_graph=retain_graph, allow_unused=True)
+    ones = torch.ones_like(term, memory_format=torch.preserve_format)
+    return _ENGINE_RUN_BACKWARD(
+        (term,), (ones,), retain_graph, False, tuple(params), True, accumulate_grad=False
+    )
 
 
 class _Sum:

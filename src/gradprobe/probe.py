@@ -185,10 +185,9 @@ def _run_probe(
         for variant in ordered:
             is_ref = variant.name == ref_name
             start = time.perf_counter()
-            breaks_before = _graph_breaks()
+            breaks_before = _graph_breaks() if variant.compiled else 0
             built: Built | None = None
             watch = watches[variant.name] = Watch()
-            observe = _observed(watch, scenarios)
             with stage(variant.name), watch, _isolated(variant, alone):
                 if _is_plain_eager(variant) and mode == "terms":
                     reseed(spec.seed)
@@ -206,7 +205,7 @@ def _run_probe(
                     results = per_scenario(
                         lambda w, b=batch: spec.step(model, b, w),
                         params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
-                        reference=None if is_ref else ref_results, observe=observe,
+                        reference=None if is_ref else ref_results, observe=_observed(watch, scenarios),
                     )  # fmt: skip
                 else:
                     ctx = VariantContext(
@@ -225,7 +224,7 @@ def _run_probe(
                             reference=None if is_ref else ref_results,
                             counter=counter,
                             consistency_rtol=consistency_tolerance(dtype)[0],
-                            observe=observe,
+                            observe=_observed(watch, scenarios),
                             isolate=mode == "terms",
                         )  # fmt: skip
                         # A double backward raised in autograd's engine names no user frame: anomaly
@@ -252,7 +251,7 @@ def _run_probe(
                 graph=_lint(built, len(params)),
             )
             measured.append(_Measured(variant, info, results))
-        if spec.second_batch is not None:
+        if spec.second_batch is not None and any(m.variant.traced for m in measured[1:]):
             with stage("the second batch"):
                 second = _compare_on(
                     spec.second_batch, spec, model, params, mode, terms, scenarios, measured, builds, ref_name

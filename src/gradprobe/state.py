@@ -603,6 +603,19 @@ def _numpy_layout(np: Any) -> tuple[int, int] | None:
         return None
 
 
+_MT_ADDRESS: list[Any] = [None, 0]  # [the bit generator, its state's address]: ``.ctypes`` builds objects
+
+
+def _mt_address(rand: Any) -> int:
+    """The address of the legacy RNG's MT19937 state (ValueError: not an MT19937)."""
+    bit_generator = rand._bit_generator
+    if _MT_ADDRESS[0] is not bit_generator:
+        if type(bit_generator).__name__ != "MT19937":
+            raise ValueError("not an MT19937")
+        _MT_ADDRESS[:] = [bit_generator, bit_generator.ctypes.state_address]
+    return _MT_ADDRESS[1]
+
+
 def _numpy_state(np: Any) -> Any:
     """The legacy global RNG's state: a ``_NumpyState`` where its layout was found, else
     ``get_state()``."""
@@ -613,10 +626,7 @@ def _numpy_state(np: Any) -> Any:
     if layout is None or type(rand) is not np.random.RandomState:
         return np.random.get_state()
     try:
-        bit_generator = rand._bit_generator
-        if type(bit_generator).__name__ != "MT19937":
-            return np.random.get_state()
-        address = bit_generator.ctypes.state_address
+        address = _mt_address(rand)
     except Exception:
         return np.random.get_state()
     has_at, gauss_at = layout
@@ -633,7 +643,7 @@ def _restore_numpy_rng(np: Any, saved: Any) -> None:
             np.random.set_state(saved.as_tuple(np))
             return
         try:
-            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+            address = _mt_address(np.random.mtrand._rand)
             np.random.seed(0)  # clears the cached Gaussian (has_gauss = 0, gauss = 0.0)
             ctypes.memmove(address, saved.words, _MT_BYTES)
         except Exception:
@@ -779,10 +789,12 @@ def _hook_dicts(module: Any) -> Callable[[], tuple[tuple[str, Any, Any], ...]]:
                 for n in dir(module)
                 if n.startswith("_global_") and (isinstance(getattr(module, n, None), dict) or "hook" in n)
             ]
+        values = [getattr(module, name, None) for name in names]
         return tuple(
-            (name, v, (tuple(v.items()) if v else ()) if isinstance(v, dict) else None)
-            for name in names
-            for v in (getattr(module, name, None),)
+            [
+                (name, v, (tuple(v.items()) if v else ()) if isinstance(v, dict) else None)
+                for name, v in zip(names, values, strict=True)
+            ]
         )
 
     return read
@@ -980,25 +992,38 @@ def _config_modules() -> list[Any]:
     return _CONFIG_MODULES_SEEN[1]
 
 
+_WATCHED: list[Any] = [None, (), ()]  # [the module list watched, (module, key) per var, the vars]
+
+
 def _mutable_configs(modules: list[Any]) -> list[tuple[Any, str, Any, Any]]:
-    """(module, key, value, copy) for every config value set before and mutable (a list, set or
-    dict): a copy of the context keeps what is set, not what is edited in place. One C-level pass
-    over each module's ContextVars; usually nothing is found."""
-    get = ContextVarGet
-    out = []
-    for module in modules:
-        try:
-            keys, overrides = _overrides(module)
-            values = list(map(get, overrides))
-            if values.count(_UNSET) == len(values) or set(map(type, values)) <= _CONTEXT_IMMUTABLE:
+    """(module, key, value, copy) for every config value of a mutable default set before (a list, set
+    or dict): a copy of the context keeps what is set, not what is edited in place. One C-level pass
+    over the ContextVars of all modules (listed again when the modules or their entries change);
+    usually nothing is found."""
+    if _WATCHED[0] is not modules or any(
+        found[0] != len(m._config) for m in modules if (found := _OVERRIDES.get(m.__name__))
+    ):
+        owners: list[tuple[Any, str]] = []
+        overrides: list[Any] = []
+        for module in modules:
+            try:
+                keys, found = _overrides(module)
+            except Exception:  # entries of another shape: left alone
                 continue
-            out += [
-                (module, k, v, _copied(v))
-                for k, v in zip(keys, values, strict=True)
-                if type(v) not in _CONTEXT_IMMUTABLE
-            ]
-        except Exception:  # a value that cannot be copied, or entries of another shape: left alone
-            continue
+            owners += [(module, k) for k in keys]
+            overrides += found
+        _WATCHED[:] = [modules, owners, overrides]
+    owners, overrides = _WATCHED[1], _WATCHED[2]
+    values = list(map(ContextVarGet, overrides))
+    if values.count(_UNSET) == len(values) or set(map(type, values)) <= _CONTEXT_IMMUTABLE:
+        return []
+    out = []
+    for (module, key), value in zip(owners, values, strict=True):
+        if type(value) not in _CONTEXT_IMMUTABLE:
+            try:
+                out.append((module, key, value, _copied(value)))
+            except Exception:  # a value that cannot be copied: left alone
+                continue
     return out
 
 
@@ -1088,7 +1113,9 @@ def _set_anomaly(saved: tuple[bool, bool]) -> None:
 
 def _getter_of(path: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
     """Read and write a flag attribute of a ``torch.backends`` module, its owner looked up once (its
-    path walk costs more than the flag)."""
+    path walk costs more than the flag). Read through the module's own C getter where the attribute is
+    a ``ContextProp`` (what reading it calls, without the descriptor and module lookups); written by
+    setting the attribute, as a user would (``disable_global_flags`` is respected)."""
     module_name, _, attr = path.rpartition(".")
     found: list[Any] = []
 
@@ -1100,7 +1127,29 @@ def _getter_of(path: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
             found.append(obj)
         return found[0]
 
+    prop = getattr(type(owner()), "__dict__", {}).get(attr)
+    getter = getattr(prop, "getter", None)
+    if callable(getter):
+        return getter, (lambda v: setattr(owner(), attr, v))
     return (lambda: getattr(owner(), attr)), (lambda v: setattr(owner(), attr, v))
+
+
+def _cublas_setting(kind: str) -> tuple[str, Callable[[], Any], Callable[[Any], None]]:
+    pair = _cublas(kind)
+    if pair is not None:
+        return (f"cuBLAS {kind} reduced-precision reduction", *pair)
+    path = f"torch.backends.cuda.matmul.allow_{kind}_reduced_precision_reduction"
+    return (path, *_getter_of(path))
+
+
+def _cublas(kind: str) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    """cuBLAS' reduced-precision reduction setting for ``kind`` (fp16, bf16): both of its flags, read and
+    written as torch keeps them (setting the attribute to a bool would reset the split-k flag)."""
+    get = getattr(torch._C, f"_get_cublas_allow_{kind}_reduced_precision_reduction", None)
+    put = getattr(torch._C, f"_set_cublas_allow_{kind}_reduced_precision_reduction", None)
+    if get is None or put is None:
+        return None
+    return get, (lambda v: put(*v) if isinstance(v, tuple) else put(v))
 
 
 # Process-wide settings that hold plain values, each a (name, read, write). They are read together as
@@ -1134,11 +1183,10 @@ _SETTINGS: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = [
             "torch.backends.cudnn.benchmark",
             "torch.backends.cudnn.deterministic",
             "torch.backends.cudnn.allow_tf32",
-            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
-            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
             "torch.backends.mkldnn.enabled",
         )
     ),
+    *(_cublas_setting(kind) for kind in ("fp16", "bf16")),
 ]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -324,8 +324,7 @@ class Plan:
         a gradient is not dense (``read`` handles those)."""
         present = list(map(operator.is_not, grads, repeat(None)))
         complete = all(present)
-        there = grads if complete else [g for g, p in zip(grads, present, strict=True) if p]
-        if there and set(map(_LAYOUT, there)) != _STRIDED:
+        if not set(map(_LAYOUT, grads if complete else compress(grads, present))) <= _STRIDED:
             return None
         stacks: list[torch.Tensor | None] = []
         for _, get, shape in self.stacks:
@@ -405,8 +404,10 @@ def read_planned(
         host: list[float] = []
     elif len(parts) == 1:
         host = parts[0].tolist()
-    else:
-        wide = max((t.dtype for t in parts), key=_bits)
+    elif len(dtypes := set(map(_DTYPE, parts))) == 1:
+        host = torch.cat(parts).tolist()
+    else:  # the widest dtype among them (a device holding float64 tensors supports float64)
+        wide = max(dtypes, key=_bits)
         host = torch.cat([t.to(wide) for t in parts]).tolist()
     # Stacked norms come item by item; the singles' for all items after them (``norm_parts``).
     n_stacked = plan.stacked

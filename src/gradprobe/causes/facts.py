@@ -62,9 +62,7 @@ def _nonfinite(fm: Any) -> bool:
     for r in fm.runs:
         if _bad(r.total) or any(map(_bad, r.term_values.values())):
             return True
-        if fm.with_status(r.variant, r.scenario, NAN, INF):
-            return True
-    return False
+    return any(NAN in groups or INF in groups for groups in fm._by_status.values())
 
 
 def _dynamo_acted(fm: Any, dynamo: dict[str, Any]) -> bool:
