@@ -12,7 +12,7 @@ import math
 import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import Any
@@ -856,6 +856,55 @@ def _cell_maker() -> Any:
 
 
 _make_cell = make_cell = _cell_maker()  # make_cell: for the probe's own cells
+
+
+def _slots_maker(cls: type) -> Any:
+    """``cls(*values)`` for a frozen slots dataclass without the frozen ``__init__``'s per-field
+    ``object.__setattr__`` (as ``_cell_maker``): the slot setters called directly."""
+    names = tuple(f.name for f in fields(cls))
+    setters = tuple(getattr(cls, n).__set__ for n in names)
+    new = object.__new__
+
+    def make(*values: Any) -> Any:
+        obj = new(cls)
+        for setter, value in zip(setters, values, strict=True):
+            setter(obj, value)
+        return obj
+
+    return make
+
+
+make_run = _slots_maker(Run)  # every field given, in order: a probe makes one per (variant, scenario)
+
+
+def flow_map(**given: Any) -> FlowMap:
+    """``FlowMap(**given)`` without the frozen ``__init__``'s per-field ``object.__setattr__`` (25 of
+    them): the instance's ``__dict__`` filled at once, defaults (fresh for the mutable ones) for what
+    is not given. Unknown or missing fields fail as ``FlowMap(...)`` would."""
+    unknown = given.keys() - _FLOWMAP_FIELDS
+    if unknown:
+        raise TypeError(f"FlowMap got unexpected fields {sorted(unknown)}")
+    missing = [n for n in _FLOWMAP_REQUIRED if n not in given]
+    if missing:
+        raise TypeError(f"FlowMap is missing fields {missing}")
+    fm = object.__new__(FlowMap)
+    d = fm.__dict__
+    d.update(_FLOWMAP_DEFAULTS)
+    for name, factory in _FLOWMAP_FACTORIES:
+        if name not in given:
+            d[name] = factory()
+    d.update(given)
+    return fm
+
+
+_FLOWMAP_FIELDS = frozenset(f.name for f in fields(FlowMap))
+_FLOWMAP_REQUIRED = tuple(
+    f.name for f in fields(FlowMap) if f.default is MISSING and f.default_factory is MISSING
+)
+_FLOWMAP_DEFAULTS = {f.name: f.default for f in fields(FlowMap) if f.default is not MISSING}
+_FLOWMAP_FACTORIES = tuple(
+    (f.name, f.default_factory) for f in fields(FlowMap) if f.default_factory is not MISSING
+)
 
 
 def _expect(r: _Fields) -> dict[str, dict[str, list[str]]]:

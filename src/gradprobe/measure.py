@@ -203,11 +203,16 @@ def _stacked_values(values: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         return None
     tensors = list(values.values())
     if (
-        set(map(torch.Tensor.dim, tensors)) == {0}
-        and set(map(_DTYPE, tensors)) <= _WIDE
-        and len(set(map(_DEVICE, tensors))) == 1
-    ):  # the usual case: scalar losses in float32 or float64 on one device, stacked as they are
-        return torch.stack([v.detach() for v in tensors])
+        len(dtypes := set(map(_DTYPE, tensors))) == 1
+        and dtypes <= _WIDE
+        and set(map(torch.Tensor.dim, tensors)) == {0}
+    ):
+        # The usual case: scalar losses of one dtype, float32 or float64, stacked as they are (a
+        # stack needs one device: a loss on another raises, and is converted below).
+        try:
+            return torch.stack(list(map(torch.Tensor.detach, tensors)))
+        except RuntimeError:
+            pass
     device = tensors[0].device
     return torch.stack(
         [

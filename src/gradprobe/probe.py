@@ -24,7 +24,17 @@ from .evidence import compiler_passes
 from .evidence.anomaly import with_double_backward_frames
 from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
-from .flowmap import CellBlock, Cells, FlowMap, Run, ScenarioInfo, VariantInfo, parameter_infos
+from .flowmap import (
+    CellBlock,
+    Cells,
+    FlowMap,
+    Run,
+    ScenarioInfo,
+    VariantInfo,
+    flow_map,
+    make_run,
+    parameter_infos,
+)
 from .measure import Measurement, per_scenario, per_term
 from .progress import reporting, stage
 from .scenarios import Scenario, resolve_scenarios
@@ -591,8 +601,8 @@ def _flow_map(
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
-            run = Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs,
-                      m.grad_cosine, m.grad_scale, m.metrics)  # fmt: skip
+            run = make_run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds,
+                           m.compiled_graphs, m.grad_cosine, m.grad_scale, m.metrics)  # fmt: skip
             runs.append(run)
             if m.statuses is None or m.norms is None:
                 continue
@@ -622,7 +632,7 @@ def _flow_map(
     first = trainable[0][1]
     expect = normalized_expect(spec.expect)
     check_against(expect, [s.name for s in scenarios], trainable_names)
-    fm = FlowMap(
+    fm = flow_map(
         torch_version=torch.__version__,
         device=str(first.device),
         dtype=dtype,

@@ -54,13 +54,15 @@ def facts(fm: Any) -> frozenset[str]:
     return frozenset(out)
 
 
-def _bad(x: Any) -> bool:
-    return isinstance(x, float) and not math.isfinite(x)
-
-
 def _nonfinite(fm: Any) -> bool:
+    """A NaN or Inf status, term value or total. Values are summed (NaN and Inf carry through a sum): a
+    sum of finite values past float's range also reads as non-finite, which only lets the non-finite
+    detectors look (they find nothing then)."""
     for r in fm.runs:
-        if _bad(r.total) or any(map(_bad, r.term_values.values())):
+        values = [x for x in r.term_values.values() if isinstance(x, float)]
+        if isinstance(r.total, float):
+            values.append(r.total)
+        if not math.isfinite(sum(values)):
             return True
     return any(NAN in groups or INF in groups for groups in fm._by_status.values())
 
