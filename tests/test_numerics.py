@@ -355,3 +355,38 @@ def test_a_functional_call_on_copies_shows_the_model_gets_nothing():
     fm = gradprobe.probe(_model(), step, torch.randn(6, 3))
     assert set(statuses(fm, "fit only").values()) == {"none"}
     assert fm.count("eager", "fit only") == (0, 6)
+
+
+def test_term_gradients_are_torch_autograd_grads_and_respect_what_intercepts_it(monkeypatch):
+    # per_term takes each term's gradients straight from autograd's engine where
+    # torch.autograd.grad would only prepare the call: the same tensors; and torch.autograd.grad
+    # itself wherever something may intercept it (a replaced function, a TorchFunctionMode).
+    from torch.overrides import TorchFunctionMode
+
+    from gradprobe.measure import term_grads
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    params = list(model.parameters())
+    x = torch.randn(5, 3)
+    expected = torch.autograd.grad(model(x).pow(2).sum(), params)
+    got = term_grads(model(x).pow(2).sum(), params, retain_graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert term_grads(model[2].bias.sum() * 1.0, params, retain_graph=False)[:2] == (None, None)
+
+    seen: list[str] = []
+
+    class Seeing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.autograd.grad:
+                seen.append("mode")
+            return func(*args, **(kwargs or {}))
+
+    with Seeing():
+        got = term_grads(model(x).pow(2).sum(), params, retain_graph=False)
+    assert seen == ["mode"] and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: seen.append("patched") or real(*a, **k))
+    term_grads(model(x).pow(2).sum(), params, retain_graph=False)
+    assert seen[-1] == "patched"

@@ -2,7 +2,8 @@
 
 A compiled probe, a check or a bisection can run for minutes with nothing to show; a newcomer thinks it
 hung. While a probe runs, a ``stage(...)`` context names what is being done ("make_fx+compile:inductor ›
-scenario 2/4 force only"); a reporter thread (one per process, idle between probes) writes it
+scenario 2/4 force only"); a reporter thread (one per process, never woken by a probe: it looks for
+one every ``GRACE`` seconds, and sleeps without wake-ups after a minute without any) writes it
 to stderr:
 
 * on a terminal (and not under CI): one live line (``rich``), redrawn with the elapsed time, gone at the end;

@@ -9,8 +9,13 @@ re-raised, never recorded). One mechanism for all of it:
 * process-wide state (``GLOBALS``, each a ``Global(name, read, write)``, added with ``register``):
   grad mode, default dtype and device, deterministic algorithms, anomaly mode, matmul precision,
   ``torch.autograd.grad``, threads, warn-always, flush-denormal, autograd multithreading, cudnn/mkldnn
-  flags, the function-mode and dispatch-mode stacks, global module and optimizer hooks, the dynamo /
-  inductor / functorch / compiler configs, the RNG streams. Other modules register their own pieces.
+  and cuBLAS flags (these plain settings read together as one tuple), the function-mode and
+  dispatch-mode stacks, global module and optimizer hooks, the dynamo / inductor / functorch /
+  compiler configs, the RNG streams. Other modules register their own pieces.
+* torch's config values (ContextVars on torch 2.10 and later): a probe runs in a copy of the context
+  (``contained``), where what a step sets on any config module is gone when it returns; ``preserved``
+  then copies none of them (``contained=True``), only the mutable values set before are copied and put
+  back if edited in place.
 
 Not restored: the contents of objects a module attribute refers to (a list the step appends to, a
 plain tensor attribute edited in place, a cache object's state), anything outside the model and torch
@@ -21,11 +26,11 @@ state, which two at once would interleave.
 
 Cost: one copy of the parameters, ``.grad`` and buffers (on their own device; one flat copy per
 device and dtype for plain tensors) for the duration of the probe, compared bit for bit at the end
-and written back where it differs (groups of many small tensors: one flatten and one comparison per
+and written back where it differs (groups of small tensors: one flatten and one comparison per
 group, a quarter of a write per tensor) or simply written back (big tensors: fewer bytes moved than
-a comparison); both undo what no version counter records. A shallow copy of each module's ``__dict__``, and
-the values of the already imported compiler config modules (read from torch's own cache, the mutable
-ones copied: tens of microseconds). Few Python objects are held per parameter: the garbage collector
+a comparison); both undo what no version counter records. A shallow copy of each module's
+``__dict__``; of torch's config values, only the mutable ones set before the probe (a copy of the
+context isolates the rest; older torch: every value, read from torch's own cache). Few Python objects are held per parameter: the garbage collector
 traverses every one of them in each full collection the user's step sets off. The write-back goes through aliases with version counters of their own, so a
 tensor the step left alone keeps its ``_version``. Tensor subclasses and overlapping or conjugate views
 are compared first and written only if changed. (Writing also dirties the pages of a model
