@@ -541,3 +541,22 @@ def test_cublas_reduced_precision_settings_are_put_back_with_their_split_k_flag(
         assert get() == (False, False)
     finally:
         put(*before)
+
+
+def test_reseeding_numpy_by_its_words_is_numpy_seed():
+    # reseed writes the words np.random.seed left the first time where no Gaussian is cached: the
+    # state must be exactly np.random.seed's, with and without a Gaussian cached before.
+    np = pytest.importorskip("numpy")
+    from gradprobe import state
+
+    np.random.seed(1)
+    state._numpy_state(np)  # finds the layout, as a probe's snapshot does
+    for cached in (False, False, True):
+        if cached:
+            np.random.standard_normal()
+        state.reseed(5)
+        got = np.random.get_state()
+        np.random.seed(5)
+        expected = np.random.get_state()
+        assert (got[1] == expected[1]).all() and got[2:] == expected[2:]
+        np.random.rand(7)  # moves on: the next reseed must write the words back

@@ -649,7 +649,8 @@ def _restore_numpy_rng(np: Any, saved: Any) -> None:
             return
         try:
             address = _mt_address(np.random.mtrand._rand)
-            np.random.seed(0)  # clears the cached Gaussian (has_gauss = 0, gauss = 0.0)
+            if _numpy_has_gauss(np) != 0:
+                np.random.seed(0)  # clears the cached Gaussian (has_gauss = 0, gauss = 0.0)
             ctypes.memmove(address, saved.words, _MT_BYTES)
         except Exception:
             np.random.set_state(saved.as_tuple(np))
@@ -1350,7 +1351,34 @@ def reseed(seed: int) -> None:
     random.seed(seed)
     np = sys.modules.get("numpy")
     if np is not None:
-        np.random.seed(seed % 2**32)
+        _seed_numpy(np, seed % 2**32)
+
+
+_NUMPY_SEEDED: dict[int, bytes] = {}  # seed -> the MT19937 words np.random.seed(seed) leaves
+
+
+def _seed_numpy(np: Any, seed: int) -> None:
+    """``np.random.seed(seed)``; where no Gaussian is cached (the usual case) by writing the words that
+    call left the first time (the same state: seeding only sets the words and clears the cache)."""
+    words = _NUMPY_SEEDED.get(seed)
+    try:
+        if words is not None and _numpy_has_gauss(np) == 0:
+            ctypes.memmove(_mt_address(np.random.mtrand._rand), words, _MT_BYTES)
+            return
+        np.random.seed(seed)
+        if len(_NUMPY_SEEDED) < 16 and _numpy_has_gauss(np) == 0:
+            _NUMPY_SEEDED[seed] = ctypes.string_at(_mt_address(np.random.mtrand._rand), _MT_BYTES)
+    except Exception:
+        np.random.seed(seed)
+
+
+def _numpy_has_gauss(np: Any) -> int | None:
+    """Whether the legacy RNG holds a cached Gaussian (None: its layout is not known here)."""
+    layout = _NUMPY_LAYOUT[0] if _NUMPY_LAYOUT else None
+    rand = getattr(np.random.mtrand, "_rand", None)
+    if layout is None or type(rand) is not np.random.RandomState:
+        return None
+    return ctypes.c_int.from_address(id(rand) + layout[0]).value
 
 
 def _compiled_in(name: str) -> bool:
