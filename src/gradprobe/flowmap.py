@@ -855,7 +855,7 @@ def _cell_maker() -> Any:
     return make
 
 
-_make_cell = make_cell = _cell_maker()  # make_cell: for the probe's own cells
+_make_cell = _cell_maker()
 
 
 def _slots_maker(cls: type) -> Any:

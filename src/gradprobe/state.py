@@ -30,9 +30,10 @@ and written back where it differs (groups of small tensors: one flatten and one 
 group, a quarter of a write per tensor) or simply written back (big tensors: fewer bytes moved than
 a comparison); both undo what no version counter records. A shallow copy of each module's
 ``__dict__``; of torch's config values, only the mutable ones set before the probe (a copy of the
-context isolates the rest; older torch: every value, read from torch's own cache). Few Python objects are held per parameter: the garbage collector
-traverses every one of them in each full collection the user's step sets off. The write-back goes through aliases with version counters of their own, so a
-tensor the step left alone keeps its ``_version``. Tensor subclasses and overlapping or conjugate views
+context isolates the rest; older torch: every value, read from torch's own cache). Few Python
+objects are held per parameter: the garbage collector traverses every one of them in each full
+collection the user's step sets off. The write-back goes through aliases with version counters of
+their own, so a tensor the step left alone keeps its ``_version``. Tensor subclasses and overlapping or conjugate views
 are compared first and written only if changed. (Writing also dirties the pages of a model
 memory-mapped from a file, ``torch.load(mmap=True)``: they become private memory, as any write would
 make them.)
@@ -558,8 +559,8 @@ def _restore_rng(state: _RngState) -> None:
 # from the RandomState object's own memory at offsets found once per process on a private instance
 # and checked there against ``get_state`` with and without a cached Gaussian (only read there, never
 # written; any mismatch and ``get_state`` is used). ``get_state`` costs 40 us warm, 100 us cold (its
-# key goes through a Python-level loop); this, a few. The put-back writes the words after a reseed has
-# cleared the cached Gaussian, or calls ``set_state`` where one was cached.
+# key goes through a Python-level loop); this, a few. The put-back writes the words (after a reseed
+# where a Gaussian is cached now), or calls ``set_state`` where one was cached before the probe.
 _MT_WORDS = 624
 _MT_BYTES = _MT_WORDS * 4 + 4  # the key and the position, as the C struct holds them
 _NUMPY_LAYOUT: list[Any] = []  # [] not yet checked; [None] use get_state; [(has_gauss, gauss offsets)]

@@ -28,8 +28,6 @@ EXPECT = "expect"  # declarations of what each scenario reaches
 NONFINITE = "nonfinite"  # a NaN or Inf gradient, term value or total
 DYNAMO = "dynamo"  # dynamo compiled, ran compiled code, hit its cache or broke a graph in some run
 
-ALL = frozenset({VARIANTS, ERRORS, LINEAGE, BISECTIONS, CHECKS, EXPECT, NONFINITE, DYNAMO})
-
 
 def facts(fm: Any) -> frozenset[str]:
     """The facts that hold for ``fm`` (a ``FlowMap``)."""
