@@ -15,26 +15,24 @@ _DEVICE = operator.attrgetter("device")
 
 def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every tensor in nested dicts, lists and tuples."""
-    if isinstance(batch, torch.Tensor):
-        yield path, batch
-    elif isinstance(batch, Mapping):
-        for k, v in batch.items():
-            yield from tensors_in(v, f"{path}[{k!r}]")
-    elif isinstance(batch, list | tuple):
-        for i, v in enumerate(batch):
-            yield from tensors_in(v, f"{path}[{i}]")
+    return _walk(batch, path)  # type: ignore[return-value]
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
     """The tensors of ``tensors_in`` without their paths (spelled only for an error message)."""
+    return (t for _, t in _walk(batch, None))
+
+
+def _walk(batch: Any, path: str | None) -> Iterator[tuple[str | None, torch.Tensor]]:
+    """``tensors_in``; with ``path`` None no path is spelled (a string per tensor saved)."""
     if isinstance(batch, torch.Tensor):
-        yield batch
+        yield path, batch
     elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from _tensors(v)
+        for k, v in batch.items():
+            yield from _walk(v, None if path is None else f"{path}[{k!r}]")
     elif isinstance(batch, list | tuple):
-        for v in batch:
-            yield from _tensors(v)
+        for i, v in enumerate(batch):
+            yield from _walk(v, None if path is None else f"{path}[{i}]")
 
 
 _IS_INFERENCE = torch.Tensor.is_inference

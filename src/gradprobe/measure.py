@@ -451,6 +451,18 @@ class _Sum:
 HELD_TENSORS = 64  # parameter tensors up to which every scenario is read at once (per_term)
 
 
+def _set_read(
+    items: Sequence[tuple[Measurement, Any, dict[int, Measurement]]],
+    results: Sequence[tuple[list[str], list[float | None]]],
+) -> None:
+    """Each measurement's statuses and norms as read, those ``known`` taken from the measurement that
+    has them (read before: added earlier)."""
+    for (m, _, known), (statuses, norms) in zip(items, results, strict=True):
+        for i, other in known.items():
+            statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
+        m.statuses, m.norms = statuses, norms
+
+
 class _Reductions:
     """Measurements whose gradients are reduced as they come, one copy to the host per scenario
     (per device), the term values riding on the first: the syncs per scenario do not depend on the
@@ -522,19 +534,13 @@ class _Reductions:
             results, values = read_planned(self.plan, [x for _, x, _ in self.planned], extra)
             if extra is not None:
                 self._values_read(values)
-            for (m, _, known), (statuses, norms) in zip(self.planned, results, strict=True):
-                for i, other in known.items():  # read before: added earlier
-                    statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
-                m.statuses, m.norms = statuses, norms
+            _set_read(self.planned, results)
             self.planned.clear()
         if self.pending or self.host_values is None:
             results, values = read_reductions([p for _, p, _ in self.pending], self.values)
             if self.host_values is None:
                 self._values_read(values)
-            for (m, _, known), (statuses, norms) in zip(self.pending, results, strict=True):
-                for i, other in known.items():  # read before: added earlier
-                    statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
-                m.statuses, m.norms = statuses, norms
+            _set_read(self.pending, results)
             self.pending.clear()
         share = (time.perf_counter() - t0) / max(1, len(read))
         for m in read:

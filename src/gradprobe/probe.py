@@ -623,9 +623,8 @@ def _flow_map(
                 blocks.append(
                     CellBlock(x.info.name, m.scenario, trainable_names, m.statuses, m.norms, rel, verdicts)
                 )
-            if (
-                frozen
-            ):  # frozen parameters cannot receive a gradient: recorded as none, not counted as trainable
+            # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
+            if frozen:
                 blocks.append(
                     CellBlock(x.info.name, m.scenario, frozen, ["none"] * len(frozen), [None] * len(frozen))
                 )

@@ -182,26 +182,15 @@ def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Te
     ``(norms, at)``, the norm of ``tensors[j]`` being ``norms[at[j]]`` (``at`` None: ``norms[j]``)."""
     if len(tensors) < _STACK_MIN:
         return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype)), None
-    by_shape: dict[torch.Size, list[int]] = {}
-    for j, shape in enumerate(map(_SHAPE, tensors)):
-        by_shape.setdefault(shape, []).append(j)
-    if len(by_shape) == len(tensors):  # no two of one shape: nothing to stack
+    chunks, single = _shape_groups(tensors)
+    if not chunks:  # no group worth a stack
         return torch.stack(torch._foreach_norm(tensors, 1, dtype=dtype)), None
-    single: list[int] = []
     order: list[int] = []
     parts: list[torch.Tensor] = []
-    for shape, members in by_shape.items():
-        # A few of a shape (one more call would cost more than it saves), or big ones (no copy).
-        if len(members) < _STACK_MIN or shape.numel() > _STACKED_NUMEL:
-            single.extend(members)
-            continue
-        numel = max(1, shape.numel())
-        step = max(1, _STACK_ELEMENTS // numel)
-        for lo in range(0, len(members), step):
-            chunk = members[lo : lo + step]
-            stacked = torch.stack([tensors[j] for j in chunk]).reshape(len(chunk), shape.numel())
-            parts.append(torch.linalg.vector_norm(stacked, 1, dim=1, dtype=dtype))
-            order.extend(chunk)
+    for chunk, shape in chunks:
+        stacked = torch.stack([tensors[j] for j in chunk]).reshape(len(chunk), shape.numel())
+        parts.append(torch.linalg.vector_norm(stacked, 1, dim=1, dtype=dtype))
+        order.extend(chunk)
     if single:
         parts.append(torch.stack(torch._foreach_norm([tensors[j] for j in single], 1, dtype=dtype)))
         order.extend(single)
@@ -209,6 +198,24 @@ def _l1_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Te
     # The position of each tensor's norm (``order``'s inverse, sorted in C), applied on the host: an
     # index tensor for a gather on the device would be a copy from the host, which syncs on a GPU.
     return norms, sorted(range(len(order)), key=order.__getitem__)
+
+
+def _shape_groups(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], torch.Size]], list[int]]:
+    """The indices of ``tensors`` to stack, as ``(chunk, shape)`` (16 or more small tensors of one
+    shape, at most ``_STACK_ELEMENTS`` elements a chunk), and the rest, reduced one by one (a few of a
+    shape: one more call would cost more than it saves; big ones: no copy)."""
+    by_shape: dict[torch.Size, list[int]] = {}
+    for j, shape in enumerate(map(_SHAPE, tensors)):
+        by_shape.setdefault(shape, []).append(j)
+    chunks: list[tuple[list[int], torch.Size]] = []
+    single: list[int] = []
+    for shape, members in by_shape.items():
+        if len(members) < _STACK_MIN or shape.numel() > _STACKED_NUMEL:
+            single.extend(members)
+            continue
+        step = max(1, _STACK_ELEMENTS // max(1, shape.numel()))
+        chunks += [(members[lo : lo + step], shape) for lo in range(0, len(members), step)]
+    return chunks, single
 
 
 _SHAPE = operator.attrgetter("shape")
@@ -288,22 +295,10 @@ class Plan:
         self.size = len(params)
         self.like = params[0]
         self.acc = _accumulation_dtype(self.like.dtype)
-        by_shape: dict[torch.Size, list[int]] = {}
-        for i, shape in enumerate(map(_SHAPE, params)):
-            by_shape.setdefault(shape, []).append(i)
+        chunks, singles = _shape_groups(params)
         # (indices, their getter, shape) per stacked chunk; the rest are reduced one by one.
-        self.stacks: list[tuple[list[int], Callable[[Sequence[Any]], tuple[Any, ...]], torch.Size]] = []
-        singles: list[int] = []
-        order: list[int] = []
-        for shape, members in by_shape.items():
-            if len(members) < _STACK_MIN or shape.numel() > _STACKED_NUMEL:
-                singles.extend(members)
-                continue
-            step = max(1, _STACK_ELEMENTS // max(1, shape.numel()))
-            for lo in range(0, len(members), step):
-                chunk = members[lo : lo + step]
-                self.stacks.append((chunk, _getter(chunk), shape))
-                order.extend(chunk)
+        self.stacks = [(chunk, _getter(chunk), shape) for chunk, shape in chunks]
+        order = [i for chunk, _ in chunks for i in chunk]
         self.stacked = len(order)  # norms of stacked gradients come first, then the singles'
         self.singles = singles
         self.single_getter = _getter(singles) if singles else None
