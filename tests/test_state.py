@@ -409,6 +409,49 @@ def test_numpy_rng_state_is_read_without_get_state():
         assert got[0] == expected[0] and (got[1] == expected[1]).all() and got[2:] == expected[2:]
 
 
+def test_python_rng_is_put_back_exactly_from_its_bytes():
+    # Python's global RNG is saved as the bytes of its C state (its layout found once per process and
+    # checked there) and its cached Gaussian: a step that draws and reseeds leaves it as found, with and
+    # without a Gaussian cached; without the layout, getstate and setstate do it.
+    import random
+
+    from gradprobe import state
+
+    def step(m, b):  # type: ignore[no-untyped-def]
+        random.seed(99)
+        noise = random.gauss(0.0, 1.0)  # caches the pair's second value
+        return {"fit": m(b).sum().square() * (1.0 + 0.0 * noise)}
+
+    assert isinstance(state._python_rng_state()[0], bytes), "the layout was not found: getstate is used"
+    model = nn.Linear(2, 1)
+    for cached in (False, True):
+        random.seed(7)
+        random.random()
+        if cached:
+            random.gauss(0.0, 1.0)
+        before = random.getstate()
+        assert (before[2] is not None) == cached
+        gradprobe.probe(model, step, torch.ones(4, 2), progress=False)
+        assert random.getstate() == before
+    for seed in (0, 5, 2**40 + 3):  # reseeding by the bytes random.seed left is random.seed
+        random.gauss(0.0, 1.0)
+        state.reseed(seed)
+        state.reseed(seed)  # the second time from the bytes kept
+        seeded = random.getstate()
+        random.seed(seed)
+        assert seeded == random.getstate()
+    found = state._PY_LAYOUT[:]
+    try:
+        state._PY_LAYOUT[:] = [None]  # no layout: getstate's (version, words, gauss_next), setstate
+        saved = state._python_rng_state()
+        assert saved == random.getstate()
+        random.random()
+        state._restore_python_rng(saved)
+        assert random.getstate() == saved
+    finally:
+        state._PY_LAYOUT[:] = found
+
+
 def test_flush_denormal_set_by_a_step_is_put_back():
     def flushing_step(model, batch):
         torch.set_flush_denormal(True)

@@ -18,9 +18,9 @@ def tensors_in(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Ten
     return _walk(batch, path)  # type: ignore[return-value]
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
     """The tensors of ``tensors_in`` without their paths (spelled only for an error message)."""
-    return (t for _, t in _walk(batch, None))
+    return [t for _, t in _walk(batch, None)]
 
 
 def _walk(batch: Any, path: str | None) -> Iterator[tuple[str | None, torch.Tensor]]:
@@ -38,10 +38,14 @@ def _walk(batch: Any, path: str | None) -> Iterator[tuple[str | None, torch.Tens
 _IS_INFERENCE = torch.Tensor.is_inference
 
 
-def check_not_inference(batch: Any, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+def check_not_inference(
+    batch: Any, named: Sequence[tuple[str, torch.Tensor]], tensors: Sequence[torch.Tensor] | None = None
+) -> None:
     """Inference tensors (made under ``torch.inference_mode()``) can never be recorded by autograd, not
-    even after leaving inference mode: a clear error instead of "nothing reached"."""
-    if not any(map(_IS_INFERENCE, (p for _, p in named))) and not any(map(_IS_INFERENCE, _tensors(batch))):
+    even after leaving inference mode: a clear error instead of "nothing reached". ``tensors``: the
+    batch's (``batch_tensors``) when the caller has them."""
+    in_batch = batch_tensors(batch) if tensors is None else tensors
+    if not any(map(_IS_INFERENCE, (p for _, p in named))) and not any(map(_IS_INFERENCE, in_batch)):
         return  # the usual case, without a path spelled per tensor
     for name, p in named:
         if p.is_inference():
@@ -59,16 +63,23 @@ def check_not_inference(batch: Any, named: Sequence[tuple[str, torch.Tensor]]) -
             )
 
 
-def check_devices(batch: Any, model: torch.nn.Module, params: Iterable[torch.Tensor] | None = None) -> None:
+def check_devices(
+    batch: Any,
+    model: torch.nn.Module,
+    params: Iterable[torch.Tensor] | None = None,
+    tensors: Sequence[torch.Tensor] | None = None,
+) -> None:
     """A batch tensor on another device than the (single-device) model is a clear error.
 
-    ``params``: the model's parameters when the caller has listed them already (a module walk saved).
+    ``params``: the model's parameters when the caller has listed them already (a module walk saved);
+    ``tensors``: the batch's (``batch_tensors``).
     """
     devices = set(map(_DEVICE, model.parameters() if params is None else params))
     if len(devices) != 1:
         return  # model-parallel: the step moves data itself
     (device,) = devices
-    if all(t.device == device or t.dim() == 0 for t in _tensors(batch)):
+    in_batch = batch_tensors(batch) if tensors is None else tensors
+    if all(t.device == device or t.dim() == 0 for t in in_batch):
         return  # the usual case, without a path spelled per tensor
     for path, t in tensors_in(batch):
         if t.device != device and t.dim() > 0:

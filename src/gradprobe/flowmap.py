@@ -866,9 +866,11 @@ def _slots_maker(cls: type) -> Any:
     new = object.__new__
 
     def make(*values: Any) -> Any:
+        if len(values) != len(setters):
+            raise TypeError(f"{cls.__name__} takes {len(setters)} values, got {len(values)}")
         obj = new(cls)
-        for setter, value in zip(setters, values, strict=True):
-            setter(obj, value)
+        for _ in map(operator.call, setters, repeat(obj), values):  # each setter called in C
+            pass
         return obj
 
     return make

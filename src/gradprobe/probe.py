@@ -13,7 +13,7 @@ import torch
 
 from . import __version__
 from .balance import balance_report
-from .batch import check_devices, check_not_inference, with_differentiable_inputs
+from .batch import batch_tensors, check_devices, check_not_inference, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
 from .compare import consistency_tolerance, noise_pairs, tolerance, verdict
@@ -142,14 +142,15 @@ def _run_probe(
     tree = walk(model)  # one walk of the modules: parameters, buffers and modules for what follows
     named = tree.parameters
     check_values(model, named, tree.buffers)
-    check_not_inference(spec.batch, named)
+    in_batch = batch_tensors(spec.batch)  # one walk of the batch for both checks
+    check_not_inference(spec.batch, named, in_batch)
     trainable = [x for x in named if x[1].requires_grad]  # the same pairs: no new tuple each
     if not trainable:
         raise SpecError(
             f"the model ({type(model).__name__}) has no trainable parameters "
             f"({len(named)} parameters, none with requires_grad=True): nothing can receive a gradient"
         )
-    check_devices(spec.batch, model, (p for _, p in named))
+    check_devices(spec.batch, model, (p for _, p in named), in_batch)
     mode = spec.resolved_mode()
     if mode == "weights" and spec.terms is None:
         raise SpecError("a weights-mode step needs terms=[...]: the names of the weights it takes")
@@ -169,7 +170,7 @@ def _run_probe(
 
     terms: list[str] = list(spec.terms) if spec.terms is not None else []
     scenarios: Sequence[Scenario] = resolve_scenarios(spec.scenarios, terms) if terms else ()
-    if scenarios:  # a misspelt declaration fails before anything is compiled (else after the eager call)
+    if scenarios and spec.expect is not None:  # a misspelt declaration fails before anything is compiled
         check_against(normalized_expect(spec.expect), [s.name for s in scenarios], [n for n, _ in trainable])
     measured: list[_Measured] = []
     bisections: list[dict[str, Any]] = []
@@ -630,7 +631,8 @@ def _flow_map(
                 )
     first = trainable[0][1]
     expect = normalized_expect(spec.expect)
-    check_against(expect, [s.name for s in scenarios], trainable_names)
+    if expect:  # (else after the eager call, where the terms come from the step)
+        check_against(expect, [s.name for s in scenarios], trainable_names)
     fm = flow_map(
         torch_version=torch.__version__,
         device=str(first.device),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,13 @@ class Scenario:
 
 def default_scenarios(terms: Sequence[str]) -> tuple[Scenario, ...]:
     """Each term alone (``"energy only"``), then all together (``"all"``)."""
+    return _defaults(tuple(terms))
+
+
+@functools.lru_cache(maxsize=64)
+def _defaults(terms: tuple[str, ...]) -> tuple[Scenario, ...]:
+    # Made once per set of term names (a probe asks twice; repeated probes of a model, each time):
+    # the scenarios are frozen, so the same ones serve every caller.
     alone = tuple(Scenario(f"{t} only", (t,)) for t in terms)
     return (*alone, Scenario(ALL, tuple(terms))) if len(terms) > 1 else alone
 

@@ -195,6 +195,19 @@ class _Saved:
             self.all_plain = all(self.strided) and all(self.writable) and all(self.set_to)
         self.copies: list[torch.Tensor] = []
         self.flat: list[tuple[list[int], torch.Tensor]] = []
+        self.host: list[bytes] | None = None  # the bytes of a few tensors in host memory
+        if self.all_plain and len(tensors) <= _HOST_TENSORS and all(map(_IS_CPU, self.aliases)):
+            nbytes = list(map(_NBYTES, self.aliases))
+            if sum(nbytes) <= _HOST_BYTES:
+                # Read straight from their memory (contiguous: one span each), one copy each and no
+                # torch op: a flatten, and the comparison's flatten and equal, are kernels the step
+                # has not run, whose code is cold (a tenth of a millisecond on a small model).
+                self.pointers = list(map(torch.Tensor.data_ptr, self.aliases))
+                self.nbytes = nbytes
+                self.shapes = list(map(_SHAPE, self.aliases))
+                self.strides = list(map(torch.Tensor.stride, self.aliases))
+                self.host = list(map(ctypes.string_at, self.pointers, nbytes))
+                return
         if self.all_plain:
             # The values of each (device, dtype) group in one flat copy. One object instead of one
             # per tensor: thousands of copies held through the probe would otherwise each be
@@ -230,6 +243,9 @@ class _Saved:
         through the aliases, whose version counters are their own: a tensor the step left alone keeps
         its ``_version``, so autograd graphs that saved it before the probe stay usable.
         """
+        if self.host is not None:
+            self._restore_host()
+            return
         if self.all_plain:  # storage and dtype checked at C speed, one batched write per group
             if not (
                 all(map(torch.Tensor.is_set_to, self.tensors, self.aliases))
@@ -269,6 +285,45 @@ class _Saved:
                 if changed:
                     _copy_into(self.aliases[i], self.copies[i])
 
+    def _restore_host(self) -> None:
+        """``restore`` for tensors saved as bytes: geometry and storage read at C speed without a torch
+        op (pointer, dtype, sizes, strides as saved), values compared as bytes and written back
+        byte for byte where they differ (below ``_COMPARE_MIN`` tensors: written back)."""
+        tensors, aliases, host = self.tensors, self.aliases, self.host
+        assert host is not None
+        if list(map(torch.Tensor.data_ptr, aliases)) != self.pointers:
+            # A storage the step resized or freed: its memory moved; written back through torch.
+            for alias, saved in zip(aliases, host, strict=True):
+                if saved:
+                    _copy_into(alias, torch.frombuffer(bytearray(saved), dtype=alias.dtype).view(alias.shape))
+        if (
+            list(map(torch.Tensor.data_ptr, tensors)) != self.pointers
+            or list(map(_DTYPE, tensors)) != self.dtypes
+            or list(map(_SHAPE, tensors)) != self.shapes
+            or list(map(torch.Tensor.stride, tensors)) != self.strides
+        ):
+            for t, alias in zip(tensors, aliases, strict=True):
+                if _replaced(t, alias):
+                    t.data = alias  # back on its own storage (``p.data = ...``, ``resize_``, ``set_``)
+        pointers = list(map(torch.Tensor.data_ptr, aliases))
+        if len(host) < _COMPARE_MIN:
+            for pointer, saved in zip(pointers, host, strict=True):
+                if saved:
+                    ctypes.memmove(pointer, saved, len(saved))
+            return
+        now = list(map(ctypes.string_at, pointers, self.nbytes))
+        if now != host:  # compared in C, bytes by bytes
+            for pointer, saved, current in zip(pointers, host, now, strict=True):
+                if current != saved:
+                    ctypes.memmove(pointer, saved, len(saved))
+
+
+# Up to this many tensors of at most this many bytes in all, on the CPU, are saved as bytes (``_Saved``):
+# a few small ones, where a torch op's fixed cost outweighs the copies.
+_HOST_TENSORS = 64
+_HOST_BYTES = 1 << 24
+_NBYTES = operator.attrgetter("nbytes")
+_SHAPE = operator.attrgetter("shape")
 
 # Groups of tensors averaging at most this many elements are compared before they are written:
 # one flatten and one bitwise comparison (about 0.6 us a tensor on the CPU) cost a quarter of a
@@ -283,6 +338,12 @@ _COMPARE_MIN = 2
 _COMPARE_CHUNK = 1 << 22  # elements flattened at a time: bounds the comparison's temporary memory
 
 
+# Integers of each element size: two tensors compared as these are compared bit for bit (NaN equal to
+# the same NaN, -0.0 unlike 0.0), a word at a time rather than a byte at a time (five times fewer
+# instructions for float32 than a byte view).
+_BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _unchanged_bits(targets: list[torch.Tensor], flat: torch.Tensor) -> bool:
     """Whether contiguous ``targets`` hold bit for bit the values of their flat copy (NaN equal to
     the same NaN, -0.0 unlike 0.0). Many small tensors only (``_COMPARE_MIN``, ``_COMPARE_NUMEL``),
@@ -293,7 +354,9 @@ def _unchanged_bits(targets: list[torch.Tensor], flat: torch.Tensor) -> bool:
     try:
         if flat.numel() <= _COMPARE_CHUNK:
             now = torch._utils._flatten_dense_tensors(targets)
-            return torch.equal(now.view(torch.uint8), flat.view(torch.uint8))
+            bits = _BITS_OF.get(flat.element_size(), torch.uint8)
+            return torch.equal(now.view(bits), flat.view(bits))
+        bits = _BITS_OF.get(flat.element_size(), torch.uint8)
         numels = list(map(torch.Tensor.numel, targets))
         start = offset = size = 0
         for i, n in enumerate(numels):
@@ -301,7 +364,7 @@ def _unchanged_bits(targets: list[torch.Tensor], flat: torch.Tensor) -> bool:
             if i + 1 < len(numels) and size + numels[i + 1] <= _COMPARE_CHUNK:
                 continue  # the next tensor fits in this chunk
             now = torch._utils._flatten_dense_tensors(targets[start : i + 1])
-            if not torch.equal(now.view(torch.uint8), flat.narrow(0, offset, size).view(torch.uint8)):
+            if not torch.equal(now.view(bits), flat.narrow(0, offset, size).view(bits)):
                 return False
             start, offset, size = i + 1, offset + size, 0
         return True
@@ -541,16 +604,69 @@ def _snapshot_rng() -> _RngState:
     np = sys.modules.get("numpy")
     if np is not None:
         np_state = _numpy_state(np)
-    return _RngState(torch.get_rng_state(), cuda, random.getstate(), np_state)
+    return _RngState(torch.get_rng_state(), cuda, _python_rng_state(), np_state)
 
 
 def _restore_rng(state: _RngState) -> None:
     torch.set_rng_state(state.torch_cpu)
     if state.cuda is not None:
         torch.cuda.set_rng_state_all(state.cuda)
-    random.setstate(state.python)
+    _restore_python_rng(state.python)
     if state.numpy is not None:
         _restore_numpy_rng(sys.modules["numpy"], state.numpy)
+
+
+# Python's global RNG (``random.random`` and friends: ``random._inst``, an MT19937 in C and a cached
+# Gaussian in ``gauss_next``) read and put back as the bytes of its C state (the position and the 624
+# words, one copy) where their offset in the object was found: ``getstate`` builds 625 Python ints
+# (10 us, a tenth of a small model's probe overhead). The offset is found once per process on a private
+# instance, checked there by writing one instance's bytes into another and comparing ``getstate``;
+# anything unexpected and ``getstate``/``setstate`` are used.
+_PY_MT_BYTES = 4 + 624 * 4  # int index; uint32_t state[624]
+_PY_LAYOUT: list[int | None] = []  # [] not yet checked; [None] use getstate; [offset]
+
+
+def _python_layout() -> int | None:
+    try:
+        a, b = random.Random(12345), random.Random(67890)
+        a.random()  # a position other than the start
+        _, internal, _ = a.getstate()
+        *words, index = internal
+        target = struct.pack("i", index) + struct.pack(f"{len(words)}I", *words)
+        if len(target) != _PY_MT_BYTES:
+            return None
+        size = type(a).__basicsize__ + _PY_MT_BYTES
+        memory = ctypes.string_at(id(a), max(size, 64 + _PY_MT_BYTES))
+        at = memory.find(target)
+        if at <= 0 or memory.find(target, at + 1) != -1:
+            return None
+        ctypes.memmove(id(b) + at, id(a) + at, _PY_MT_BYTES)
+        if b.getstate()[1] != internal or b.random() != a.random():
+            return None
+        return at
+    except Exception:
+        return None
+
+
+def _python_rng_state() -> Any:
+    """Python's global RNG state: ``(bytes, gauss_next)`` where its layout was found, else
+    ``random.getstate()``."""
+    inst = getattr(random.getstate, "__self__", None)  # the instance getstate would read
+    if not _PY_LAYOUT:
+        _PY_LAYOUT.append(_python_layout())
+    at = _PY_LAYOUT[0]
+    if at is None or type(inst) is not random.Random:
+        return random.getstate()
+    return ctypes.string_at(id(inst) + at, _PY_MT_BYTES), inst.gauss_next
+
+
+def _restore_python_rng(saved: Any) -> None:
+    inst = getattr(random.setstate, "__self__", None)
+    if type(saved) is tuple and len(saved) == 2 and type(saved[0]) is bytes and type(inst) is random.Random:
+        ctypes.memmove(id(inst) + _PY_LAYOUT[0], saved[0], _PY_MT_BYTES)  # type: ignore[operator]
+        inst.gauss_next = saved[1]
+        return
+    random.setstate(saved)
 
 
 # NumPy's legacy RNG (``np.random.seed`` and friends: an MT19937 and a cached Gaussian) read and put
@@ -780,51 +896,75 @@ def _set_dispatch_modes(saved: list[Any]) -> None:
         _push_mode(mode)
 
 
-def _hook_dicts(module: Any) -> Callable[[], tuple[tuple[str, Any, Any], ...]]:
-    """Module-level hook registries (dicts of handles, and the odd flag beside them): per name, the
-    object bound and, for a dict, its items (most are empty: ``()``). Their names are listed once
-    (``dir`` of a module costs more than the rest), again when the module's namespace changes size."""
-    names: list[str] = []
+# (names, the objects bound, the positions of the dicts among them, each dict's length, the items of
+# the filled ones in order): most registries are empty, so what is compared is mostly lengths.
+_Hooks = tuple[tuple[str, ...], tuple[Any, ...], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
+
+
+def _hook_dicts(module: Any) -> Callable[[], _Hooks]:
+    """Module-level hook registries (dicts of handles, and the odd flag beside them): see ``_Hooks``.
+    Their names are listed once (``dir`` of a module costs more than the rest), again when the
+    module's namespace changes size; the values are read in C (one attribute getter, maps over the
+    dicts)."""
+    names: tuple[str, ...] = ()
+    at: tuple[int, ...] = ()
+    dicts: Callable[[tuple[Any, ...]], tuple[Any, ...]] = tuple
+    get: Callable[[Any], tuple[Any, ...]] = lambda _: ()  # noqa: E731
     size = -1
 
-    def read() -> tuple[tuple[str, Any, Any], ...]:
-        nonlocal names, size
+    def read() -> _Hooks:
+        nonlocal names, at, dicts, get, size
         if len(vars(module)) != size:
             size = len(vars(module))
-            names = [
+            names = tuple(
                 n
                 for n in dir(module)
                 if n.startswith("_global_") and (isinstance(getattr(module, n, None), dict) or "hook" in n)
-            ]
-        values = [getattr(module, name, None) for name in names]
-        return tuple(
-            [
-                (name, v, (tuple(v.items()) if v else ()) if isinstance(v, dict) else None)
-                for name, v in zip(names, values, strict=True)
-            ]
-        )
+            )
+            at = tuple(i for i, n in enumerate(names) if isinstance(getattr(module, n, None), dict))
+            dicts = operator.itemgetter(*at) if len(at) > 1 else (lambda vs, at=at: tuple(vs[i] for i in at))
+            get = (
+                operator.attrgetter(*names)
+                if len(names) > 1
+                else (lambda m: tuple(getattr(m, n) for n in names))
+            )
+        try:
+            values = get(module)
+            found = dicts(values)
+            lengths = tuple(map(len, found))  # TypeError: a registry rebound to another kind of object
+            filled = tuple(map(tuple, map(dict.items, filter(None, found)))) if any(lengths) else ()
+            return names, values, at, lengths, filled
+        except (AttributeError, TypeError):  # a registry deleted or rebound: each looked at on its own
+            values = tuple(getattr(module, n, None) for n in names)
+            here = tuple(i for i, v in enumerate(values) if isinstance(v, dict))
+            found = tuple(values[i] for i in here)
+            filled = tuple(tuple(v.items()) for v in found if v)
+            return names, values, here, tuple(map(len, found)), filled
 
     return read
 
 
-def _set_hook_dicts(module_name: str) -> Callable[[tuple[tuple[str, Any, Any], ...]], None]:
-    def write(saved: tuple[tuple[str, Any, Any], ...]) -> None:
+def _set_hook_dicts(module_name: str) -> Callable[[_Hooks], None]:
+    def write(saved: _Hooks) -> None:
         module = sys.modules[module_name]
-        for name, value, items in saved:
+        names, values, at, lengths, filled = saved
+        for name, value in zip(names, values, strict=True):
             if getattr(module, name, None) is not value:
                 setattr(module, name, value)  # the very object the user's handles refer to
-            if items is not None and tuple(value.items()) != items:
-                value.clear()
-                value.update(items)
+        contents = iter(filled)
+        for i, n in zip(at, lengths, strict=True):
+            items = next(contents) if n else ()
+            if tuple(values[i].items()) != items:
+                values[i].clear()
+                values[i].update(items)
 
     return write
 
 
-def _same_hooks(a: tuple[tuple[str, Any, Any], ...], b: tuple[tuple[str, Any, Any], ...]) -> bool:
-    """The same objects bound, dicts with the same items (compared in C: handles by identity first)."""
-    return len(a) == len(b) and all(
-        x[0] == y[0] and x[1] is y[1] and x[2] == y[2] for x, y in zip(a, b, strict=True)
-    )
+def _same_hooks(a: _Hooks, b: _Hooks) -> bool:
+    """The same names, the same objects bound, dicts with the same items (in C: handles by identity
+    first)."""
+    return a[0] == b[0] and all(map(operator.is_, a[1], b[1])) and a[3] == b[3] and a[4] == b[4]
 
 
 # Config modules restored value by value when already imported before the probe (a compile imports
@@ -1349,10 +1489,31 @@ def isolated_settings(import_configs: bool = False) -> Iterator[None]:
 def reseed(seed: int) -> None:
     """Seed every RNG a step may draw from, so each run sees the same random stream."""
     _manual_seed(seed)
-    random.seed(seed)
+    _seed_python(seed)
     np = sys.modules.get("numpy")
     if np is not None:
         _seed_numpy(np, seed % 2**32)
+
+
+_PYTHON_SEEDED: dict[int, bytes] = {}  # seed -> the state bytes random.seed(seed) leaves
+
+
+def _seed_python(seed: int) -> None:
+    """``random.seed(seed)``; where the state's layout is known, by writing the bytes that call left
+    the first time and clearing the cached Gaussian, as seeding does (no 624-word initialisation)."""
+    inst = getattr(random.seed, "__self__", None)
+    at = _PY_LAYOUT[0] if _PY_LAYOUT else None
+    if at is None or type(inst) is not random.Random:
+        random.seed(seed)
+        return
+    state = _PYTHON_SEEDED.get(seed)
+    if state is None:
+        random.seed(seed)
+        if len(_PYTHON_SEEDED) < 16:
+            _PYTHON_SEEDED[seed] = ctypes.string_at(id(inst) + at, _PY_MT_BYTES)
+        return
+    ctypes.memmove(id(inst) + at, state, _PY_MT_BYTES)
+    inst.gauss_next = None
 
 
 _NUMPY_SEEDED: dict[int, bytes] = {}  # seed -> the MT19937 words np.random.seed(seed) leaves

@@ -204,6 +204,8 @@ def _shape_groups(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int]
     """The indices of ``tensors`` to stack, as ``(chunk, shape)`` (16 or more small tensors of one
     shape, at most ``_STACK_ELEMENTS`` elements a chunk), and the rest, reduced one by one (a few of a
     shape: one more call would cost more than it saves; big ones: no copy)."""
+    if len(tensors) < _STACK_MIN:  # too few for any stack
+        return [], list(range(len(tensors)))
     by_shape: dict[torch.Size, list[int]] = {}
     for j, shape in enumerate(map(_SHAPE, tensors)):
         by_shape.setdefault(shape, []).append(j)
@@ -247,6 +249,30 @@ def _recheck_overflow(
             statuses[i] = status_of(a)
             if math.isfinite(a):
                 norms[i] = a * r  # inf only past float64's range
+
+
+def judged(values: list[float], present: list[bool] | None) -> tuple[list[str], list[float | None]]:
+    """Statuses and norms from L1 norms (``values``, taken as the norms: not copied). ``present``:
+    which parameters have a gradient (None: all); an absent one's value is a placeholder 0.0, and its
+    status none, its norm None."""
+    judge = status_of  # looked up per call: the one place statuses are decided (tests replace it)
+    shipped = judge is _SHIPPED_STATUS_OF
+    norms: list[float | None] = values  # type: ignore[assignment]
+    if present is None:
+        if shipped and _ZERO not in values and math.isfinite(sum(values)):
+            return [NONZERO] * len(values), norms  # no zero, and a finite sum: no NaN or inf
+        return list(map(judge, values)), norms
+    absent = list(compress(range(len(present)), map(operator.not_, present)))
+    if shipped and values.count(_ZERO) == len(absent) and math.isfinite(sum(values)):
+        statuses = [NONZERO] * len(values)  # the only zeros are the absent ones' placeholders
+        for i in absent:
+            statuses[i] = NONE
+            norms[i] = None
+        return statuses, norms
+    statuses = [judge(v) if p else NONE for v, p in zip(values, present, strict=True)]
+    for i in absent:
+        norms[i] = None
+    return statuses, norms
 
 
 def status_of(max_abs: float) -> str:
@@ -408,7 +434,6 @@ def read_planned(
     n_stacked = plan.stacked
     singles_at = n_stacked * len(launched)
     out = []
-    judge = status_of  # looked up per call: the one place statuses are decided (tests replace it)
     for k, x in enumerate(launched):
         values = host[k * n_stacked : (k + 1) * n_stacked]
         if x.singles:
@@ -422,21 +447,9 @@ def read_planned(
                     else:
                         values.append(host[singles_at])
                         singles_at += 1
-        values = list(plan.at(values))
-        present = x.present
-        if x.complete:
-            if judge is _SHIPPED_STATUS_OF and _ZERO not in values and math.isfinite(sum(values)):
-                statuses = [NONZERO] * len(values)  # no zero, and a finite sum: no NaN or inf
-            else:
-                statuses = list(map(judge, values))
-            norms: list[float | None] = values  # type: ignore[assignment]
-        else:
-            statuses = [judge(v) if p else NONE for v, p in zip(values, present, strict=True)]
-            norms = [v if p else None for v, p in zip(values, present, strict=True)]
-        if _INF in values:  # an inf, or a finite sum past the accumulation dtype: rechecked
-            over = [i for i, (v, p) in enumerate(zip(values, present, strict=True)) if p and v == _INF]
-            if over:
-                _recheck_overflow(x.gradients(), over, statuses, norms)
+        statuses, norms = judged(list(plan.at(values)), None if x.complete else x.present)
+        if _INF in norms:  # an inf, or a finite sum past the accumulation dtype: rechecked
+            _recheck_overflow(x.gradients(), [i for i, v in enumerate(norms) if v == _INF], statuses, norms)
         out.append((statuses, norms))
     extra_host = host[singles_at:] if extra is not None else None
     return out, extra_host
