@@ -209,6 +209,15 @@ class Tied(nn.Module):
         return (self.norm(self.lin(x)) @ self.wt * self.scale[0]).sum(1)
 
 
+class Plain(Tied):
+    """Tied's members, every one contiguous: a model whose tensors the probe saves as bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.wt = nn.Parameter(torch.randn(4, 2))
+        self.register_buffer("scale", torch.ones(4, 2))
+
+
 def _values(model):
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return {
@@ -231,9 +240,10 @@ def _values(model):
         "int_buffer",
     ],
 )
-def test_writes_no_version_counter_sees_are_undone(edit):
+@pytest.mark.parametrize("kind", [Tied, Plain], ids=["torch-copies", "bytes"])
+def test_writes_no_version_counter_sees_are_undone(edit, kind):
     torch.manual_seed(0)
-    model = Tied()
+    model = kind()
     model.lin.bias.grad = torch.full_like(model.lin.bias, 3.0)
     grad = model.lin.bias.grad
     before = _values(model)
@@ -278,6 +288,30 @@ def test_writes_no_version_counter_sees_are_undone(edit):
             assert version2 == version, f"{n}: version counter moved ({version} -> {version2})"
     assert model.lin.bias.grad is grad and torch.equal(grad, grad_before)
     assert model.lin.weight.grad is None
+
+
+def test_a_few_cpu_tensors_are_saved_as_bytes_and_a_moved_storage_is_written_back():
+    """A small plain model on the CPU is saved as bytes (no torch op); a step that grows a parameter's
+    storage (its memory moves) still gets it back: values, sizes, strides and dtype as before."""
+    from gradprobe import state
+
+    torch.manual_seed(0)
+    model = Plain()
+    assert state._Saved([*model.parameters(), *model.buffers()]).host is not None
+    assert Tied().wt.is_contiguous() is False  # the other kind goes through torch's copies
+    before = _values(model)
+
+    def step(m, x):
+        y = m(x)
+        m.lin.weight.data.resize_(64, 64).fill_(7.0)  # a bigger storage: new memory, old values copied
+        return {"a": y[:2].sum(), "b": y[2:].pow(2).sum()}
+
+    gradprobe.probe(model, step, torch.randn(8, 3), progress=False)
+    after = _values(model)
+    for n, (value, _, dtype, shape, stride, _) in before.items():
+        v2, _, dtype2, shape2, stride2, _ = after[n]
+        assert (dtype2, shape2, stride2) == (dtype, shape, stride), n
+        assert torch.equal(v2, value), f"{n} changed"
 
 
 def test_an_autograd_graph_saved_before_the_probe_is_still_usable():
