@@ -25,7 +25,8 @@ Probes in several threads run one at a time (``_PROBE_LOCK``): each reseeds and 
 state, which two at once would interleave.
 
 Cost: one copy of the parameters, ``.grad`` and buffers (on their own device; one flat copy per
-device and dtype for plain tensors) for the duration of the probe, compared bit for bit at the end
+device and dtype for plain tensors; for a few small ones on the CPU, the bytes of their memory, read
+without a torch op) for the duration of the probe, compared bit for bit at the end
 and written back where it differs (groups of small tensors: one flatten and one comparison per
 group, a quarter of a write per tensor) or simply written back (big tensors: fewer bytes moved than
 a comparison); both undo what no version counter records. A shallow copy of each module's
@@ -635,8 +636,7 @@ def _python_layout() -> int | None:
         target = struct.pack("i", index) + struct.pack(f"{len(words)}I", *words)
         if len(target) != _PY_MT_BYTES:
             return None
-        size = type(a).__basicsize__ + _PY_MT_BYTES
-        memory = ctypes.string_at(id(a), max(size, 64 + _PY_MT_BYTES))
+        memory = ctypes.string_at(id(a), type(a).__basicsize__)  # the object's own memory, no more
         at = memory.find(target)
         if at <= 0 or memory.find(target, at + 1) != -1:
             return None
