@@ -88,7 +88,6 @@ def read(
     out = [([NONE] * len(p.grads), [None] * len(p.grads)) for p in pending]
     overflow: list[list[int]] = [[] for _ in pending]
     extra_host: list[float] | None = None
-    judge = status_of  # looked up per call: the one place statuses are decided (tests replace it)
     for parts in per_device.values():
         # One device-to-host copy for all parts on this device, in the widest dtype among them (a
         # device holding float64 tensors supports float64).
@@ -109,16 +108,12 @@ def read(
                 values = group[start : start + len(idx)]
                 start += len(idx)
                 statuses, norms = out[k]
-                if judge is _SHIPPED_STATUS_OF and _ZERO not in values and math.isfinite(sum(values)):
-                    # The usual case, told at C speed: no zero, and a finite sum means no NaN or inf.
-                    judged = [NONZERO] * len(values)
-                else:
-                    judged = list(map(judge, values))
+                decided, _ = judged(values, None)  # every value here is a present gradient's
                 if len(idx) == len(norms):  # every parameter has a gradient: idx is 0..n-1
                     norms[:] = values
-                    statuses[:] = judged
+                    statuses[:] = decided
                 else:
-                    for i, v, st in zip(idx, values, judged, strict=True):
+                    for i, v, st in zip(idx, values, decided, strict=True):
                         norms[i] = v
                         statuses[i] = st
                 if _INF in values:  # an inf, or a finite sum past the accumulation dtype: rechecked
