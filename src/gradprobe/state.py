@@ -648,22 +648,33 @@ def _python_layout() -> int | None:
         return None
 
 
-def _python_rng_state() -> Any:
-    """Python's global RNG state: ``(bytes, gauss_next)`` where its layout was found, else
-    ``random.getstate()``."""
-    inst = getattr(random.getstate, "__self__", None)  # the instance getstate would read
+def _python_mt() -> tuple[random.Random, int] | None:
+    """The global RNG's instance (the one ``random.getstate`` and friends are bound to) and the address
+    of its C state, where the layout is known and the instance is a plain ``random.Random``; else None."""
     if not _PY_LAYOUT:
         _PY_LAYOUT.append(_python_layout())
     at = _PY_LAYOUT[0]
+    inst = getattr(random.getstate, "__self__", None)
     if at is None or type(inst) is not random.Random:
+        return None
+    return inst, id(inst) + at
+
+
+def _python_rng_state() -> Any:
+    """Python's global RNG state: ``(bytes, gauss_next)`` where its layout was found, else
+    ``random.getstate()``."""
+    found = _python_mt()
+    if found is None:
         return random.getstate()
-    return ctypes.string_at(id(inst) + at, _PY_MT_BYTES), inst.gauss_next
+    inst, address = found
+    return ctypes.string_at(address, _PY_MT_BYTES), inst.gauss_next
 
 
 def _restore_python_rng(saved: Any) -> None:
-    inst = getattr(random.setstate, "__self__", None)
-    if type(saved) is tuple and len(saved) == 2 and type(saved[0]) is bytes and type(inst) is random.Random:
-        ctypes.memmove(id(inst) + _PY_LAYOUT[0], saved[0], _PY_MT_BYTES)  # type: ignore[operator]
+    found = _python_mt()
+    if found is not None and type(saved) is tuple and len(saved) == 2 and type(saved[0]) is bytes:
+        inst, address = found
+        ctypes.memmove(address, saved[0], _PY_MT_BYTES)
         inst.gauss_next = saved[1]
         return
     random.setstate(saved)
@@ -1501,18 +1512,18 @@ _PYTHON_SEEDED: dict[int, bytes] = {}  # seed -> the state bytes random.seed(see
 def _seed_python(seed: int) -> None:
     """``random.seed(seed)``; where the state's layout is known, by writing the bytes that call left
     the first time and clearing the cached Gaussian, as seeding does (no 624-word initialisation)."""
-    inst = getattr(random.seed, "__self__", None)
-    at = _PY_LAYOUT[0] if _PY_LAYOUT else None
-    if at is None or type(inst) is not random.Random:
+    found = _python_mt()
+    if found is None:
         random.seed(seed)
         return
+    inst, address = found
     state = _PYTHON_SEEDED.get(seed)
     if state is None:
         random.seed(seed)
         if len(_PYTHON_SEEDED) < 16:
-            _PYTHON_SEEDED[seed] = ctypes.string_at(id(inst) + at, _PY_MT_BYTES)
+            _PYTHON_SEEDED[seed] = ctypes.string_at(address, _PY_MT_BYTES)
         return
-    ctypes.memmove(id(inst) + at, state, _PY_MT_BYTES)
+    ctypes.memmove(address, state, _PY_MT_BYTES)
     inst.gauss_next = None
 
 
