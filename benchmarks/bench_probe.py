@@ -11,8 +11,9 @@ Sections:
   3. compiles per compiled variant: gradprobe's variant against the naive loop with Python-float weights.
   4. host syncs per scenario, at 1x, 4x, 16x the parameter tensors.
   5. memory (peak RSS over a plain training step, fresh process each) and flow-map size.
-  6. models written unlike the wide model (benchmarks/other_models.py): a small functional model
-     (10 tensors) and many tiny blocks in sequence at 512 / 2,048 / 8,192 tensors: probe, naive
+  6. models written unlike the wide model (benchmarks/other_models.py): three small models (a
+     functional one, an nn.Sequential MLP with BatchNorm and Dropout, a transformer layer; 10-15
+     tensors) and many tiny blocks in sequence at 512 / 2,048 / 8,192 tensors: probe, naive
      loop and floor, and the scaling exponent of the probe against the floor's.
   7. diagnose time on the reference potential: probe vs probe + diagnose, every variant matching
      and one failing (bisected); the lineage recording on its own line.
@@ -53,10 +54,16 @@ from baselines import (  # noqa: E402
 )
 from other_models import (  # noqa: E402
     BLOCK_TERMS,
+    ENCODER_TERMS,
+    MLP_TERMS,
     SMALL_TERMS,
     blocks_step,
+    encoder_step,
     make_blocks,
+    make_encoder,
+    make_mlp,
     make_small,
+    mlp_step,
     small_step,
 )
 from syncs import SyncCounter  # noqa: E402
@@ -144,6 +151,18 @@ def small_case() -> Case:
     model, batch = make_small()
     _, batch2 = make_small(seed=1)
     return Case("small functional (10 tensors)", model, small_step, batch, batch2, list(SMALL_TERMS))
+
+
+def mlp_case() -> Case:
+    model, batch = make_mlp()
+    _, batch2 = make_mlp(seed=1)
+    return Case("MLP, BatchNorm, Dropout", model, mlp_step, batch, batch2, list(MLP_TERMS))
+
+
+def encoder_case() -> Case:
+    model, batch = make_encoder()
+    _, batch2 = make_encoder(seed=1)
+    return Case("transformer layer (15 tensors)", model, encoder_step, batch, batch2, list(ENCODER_TERMS))
 
 
 def blocks_case(tensors: int) -> Case:
@@ -570,9 +589,11 @@ def print_other(rows: list[dict[str, Any]]) -> None:
               f"{scaling_exponent(blocks, 'naive'):.3f}")  # fmt: skip
     print("small functional: a convolution, a layer norm and two heads through torch.nn.functional, bare")
     print(
-        "nn.Parameter s; tiny blocks: a ModuleList of (gain, offset, Linear(4, 4)) blocks in sequence, outputs"
+        "nn.Parameter s; MLP: nn.Sequential of Linear, BatchNorm1d, ReLU, Dropout in training mode; transformer"
     )
-    print("stacked (benchmarks/other_models.py). Rounds interleaved, minima, as in section 1.")
+    print("layer: an embedding, nn.TransformerEncoderLayer and a head; tiny blocks: a ModuleList of (gain,")
+    print("offset, Linear(4, 4)) blocks in sequence, outputs stacked (benchmarks/other_models.py). Rounds")
+    print("interleaved, minima, as in section 1.")
 
 
 def print_diagnose(rows: list[dict[str, Any]], step_s: float, model: str = "the reference potential") -> None:
@@ -643,17 +664,23 @@ def requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
     return out + other_requirements(res) + diagnose_requirements(res)
 
 
+def _short(row: dict[str, Any]) -> str:
+    """A result row's model in a few words for a requirement line: its kind and tensor count."""
+    kind = row["model"].split(" (")[0].split(",")[0]
+    return f"{kind} {row['tensors']}"
+
+
 def other_requirements(res: dict[str, Any]) -> list[tuple[bool, str]]:
     """Issue 20: the floor and the naive loop at every size on models unlike the wide one, the scaling
     exponent, and the cost of a diagnosis that finds nothing."""
     out = []
     rows = res["other"]
     ratios = [(r, r["best"]["probe"] / r["best"]["floor"]) for r in rows]
-    out.append((all(x <= 1.15 for _, x in ratios), "eager probe <= 1.15 x floor at every size: "
-                + ", ".join(f"{r['tensors']} tensors {x:.2f}x" for r, x in ratios)))  # fmt: skip
+    out.append((all(x <= 1.15 for _, x in ratios), "eager probe <= 1.15 x floor at every size and kind: "
+                + ", ".join(f"{_short(r)} {x:.2f}x" for r, x in ratios)))  # fmt: skip
     faster = [(r, r["best"]["naive"] / r["best"]["probe"]) for r in rows]
-    out.append((all(x > 1 for _, x in faster), "eager probe faster than the naive loop at every size: "
-                + ", ".join(f"{r['tensors']} tensors {x:.2f}x faster" for r, x in faster)))  # fmt: skip
+    out.append((all(x > 1 for _, x in faster), "eager probe faster than the naive loop at every size and kind: "
+                + ", ".join(f"{_short(r)} {x:.2f}x faster" for r, x in faster)))  # fmt: skip
     blocks = [r for r in rows if r["model"].startswith("tiny blocks")]
     e_probe, e_floor = scaling_exponent(blocks, "probe"), scaling_exponent(blocks, "floor")
     out.append((abs(e_probe - e_floor) <= 0.1 * e_floor, f"probe scaling exponent within 10% of the floor's "
@@ -794,7 +821,7 @@ def main() -> int:
     print_maps(res["maps"])
 
     header("6. other model shapes (eager)")
-    res["other"] = [eager_timings(small_case(), cfg["small_reps"])]
+    res["other"] = [eager_timings(case(), cfg["small_reps"]) for case in (small_case, mlp_case, encoder_case)]
     for tensors, reps in cfg["blocks"].items():
         res["other"].append(eager_timings(blocks_case(tensors), reps))
     print_other(res["other"])
