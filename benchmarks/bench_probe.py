@@ -147,28 +147,27 @@ def wide_case(n_branches: int, width: int, n_big: int = 0, big_dim: int = 0, bat
     return Case(name, model, wide_step, batch, batch2, list(TERMS))
 
 
+def _made(name: str, make: Callable[..., Any], step: Callable[..., Any], terms: Any, *args: Any) -> Case:
+    """A case from a model maker: its model and batch (seed 0), and the batch of seed 1 as the second."""
+    model, batch = make(*args)
+    _, batch2 = make(*args, seed=1)
+    return Case(name, model, step, batch, batch2, list(terms))
+
+
 def small_case() -> Case:
-    model, batch = make_small()
-    _, batch2 = make_small(seed=1)
-    return Case("small functional (10 tensors)", model, small_step, batch, batch2, list(SMALL_TERMS))
+    return _made("small functional (10 tensors)", make_small, small_step, SMALL_TERMS)
 
 
 def mlp_case() -> Case:
-    model, batch = make_mlp()
-    _, batch2 = make_mlp(seed=1)
-    return Case("MLP, BatchNorm, Dropout", model, mlp_step, batch, batch2, list(MLP_TERMS))
+    return _made("MLP, BatchNorm, Dropout", make_mlp, mlp_step, MLP_TERMS)
 
 
 def encoder_case() -> Case:
-    model, batch = make_encoder()
-    _, batch2 = make_encoder(seed=1)
-    return Case("transformer layer (15 tensors)", model, encoder_step, batch, batch2, list(ENCODER_TERMS))
+    return _made("transformer layer (15 tensors)", make_encoder, encoder_step, ENCODER_TERMS)
 
 
 def blocks_case(tensors: int) -> Case:
-    model, batch = make_blocks(tensors)
-    _, batch2 = make_blocks(tensors, seed=1)
-    return Case(f"tiny blocks ({tensors // 4} blocks)", model, blocks_step, batch, batch2, list(BLOCK_TERMS))
+    return _made(f"tiny blocks ({tensors // 4} blocks)", make_blocks, blocks_step, BLOCK_TERMS, tensors)
 
 
 def header(title: str) -> None:
