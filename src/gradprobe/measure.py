@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import linecache
-import math
 import operator
 import os
 import re
@@ -21,7 +20,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -31,19 +29,7 @@ from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .scenarios import Scenario
 from .state import reseed
-from .status import (
-    Launched,
-    Pending,
-    Plan,
-    _accumulation_dtype,
-    _bits,
-    _recheck_overflow,
-    judged,
-    launch,
-    plan_for,
-    read_planned,
-    reduce_grads,
-)
+from .status import Launched, Pending, Plan, launch, plan_for, read_planned, reduce_grads
 from .status import read as read_reductions
 from .step import Weights, check_terms, check_total, make_weights, metrics_of
 
@@ -238,8 +224,6 @@ def _stacked_values(values: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-_LAYOUT = operator.attrgetter("layout")
-_STRIDED = frozenset((torch.strided,))
 _WIDE = frozenset((torch.float32, torch.float64))
 
 
@@ -331,10 +315,6 @@ def per_term(
         else:
             take(t, grads, error, time.perf_counter() - t0)
         del grads
-    if held:
-        done = _read_held(params, terms, scenarios, multi, held, keep, forward_seconds)
-        if done is not None:
-            return list(terms), scenarios, [done[s.name] for s in scenarios]
     for item in held:
         take(*item)
     held.clear()
@@ -354,131 +334,6 @@ def per_term(
     for m in results.values():
         m.seconds += forward_seconds / len(scenarios)
     return list(terms), scenarios, [results[s.name] for s in scenarios]
-
-
-def _read_held(
-    params: Sequence[torch.Tensor],
-    terms: Mapping[str, torch.Tensor],
-    scenarios: Sequence[Scenario],
-    multi: Sequence[Scenario],
-    held: list[tuple[str, Grads | None, RunError | None, float]],
-    keep: bool,
-    forward_seconds: float,
-) -> dict[str, Measurement] | None:
-    """Every scenario's measurement from the held gradients of a small model (``HELD_TENSORS``), in
-    one ``_foreach_norm`` over all of them and one copy to the host with the term values; None (the
-    general path then reads them) unless the parameters and every gradient are dense, of one real
-    floating dtype and on one device, and the term values stack on that device.
-
-    What the general path decides, decided the same way: a scenario of several terms sums its terms'
-    gradients in term order (a new tensor where two or more reach a parameter; where one does, that
-    term's own, whose status and norm its scenario already has); a term that cannot be differentiated
-    (``NoGradPath``) adds nothing, any other failure of a term fails the scenarios that hold it; a sum
-    no term gave gradients to is a failure too. Small models spend more time in gradprobe's own code
-    than in these reductions: this path is a few calls, not a plan, stacks and per-scenario objects.
-    """
-    dtype = params[0].dtype
-    if not dtype.is_floating_point:
-        return None
-    given = [g for _, grads, _, _ in held if grads is not None for g in grads if g is not None]
-    values = _stacked_values(terms)
-    if not _uniform(given, dtype, values.device if values is not None else params[0].device):
-        return None
-    t0 = time.perf_counter()
-    n = len(params)
-    own = {t: (grads, error, seconds) for t, grads, error, seconds in held}
-    flat: list[torch.Tensor] = []  # every tensor to reduce, in order
-    # Per list to judge: its measurement, its gradients, where its present gradients' norms start in
-    # ``flat``, which are present (None: all), and the parameters whose status and norm another
-    # measurement gives.
-    lists: list[tuple[Measurement, Grads, int, list[bool] | None, dict[int, Measurement] | None]] = []
-    results: dict[str, Measurement] = {}
-    by_term: dict[str, Measurement] = {}  # a term's own scenario, where it has one and it ran
-    for s in scenarios:
-        if len(s.terms) != 1:
-            continue
-        grads, error, seconds = own[s.terms[0]]
-        m = results[s.name] = Measurement(s.name, error=error, seconds=seconds)
-        if error is None and grads is not None:
-            by_term[s.terms[0]] = m
-            lists.append((m, grads, *_placed(grads, flat), None))
-            if keep:
-                m.grads = grads
-    for s in multi:
-        error = next((e for t in s.terms if (e := own[t][1]) is not None and e.type != "NoGradPath"), None)
-        m = results[s.name] = Measurement(s.name, error=error, seconds=sum(own[t][2] for t in s.terms))
-        if error is not None:
-            continue
-        parts = [(t, own[t][0]) for t in s.terms if own[t][0] is not None]
-        if not parts:
-            m.error = no_grad_path(f"no term of scenario {s.name!r}")
-            continue
-        who: list[str | None] = [None] * n
-        total: Grads | None = None
-        for t, grads in parts:  # in term order, never in place
-            total = _add(total, grads, who, t)
-        assert total is not None
-        known = {i: by_term[t] for i, t in enumerate(who) if t in by_term}
-        reduce = [None if i in known else g for i, g in enumerate(total)] if known else total
-        lists.append((m, total, *_placed(reduce, flat), known))
-        if keep:
-            m.grads = total
-    # One norm call for every gradient (a flat copy and a segmented sum would be fewer kernels, but
-    # kernels the step has not run: cold, they cost more than they save).
-    norms_of = [torch.stack(torch._foreach_norm(flat, 1, dtype=_accumulation_dtype(dtype)))] if flat else []
-    if values is not None:
-        norms_of.append(values)
-    if len(norms_of) == 2 and norms_of[0].dtype != values.dtype:  # type: ignore[union-attr]
-        wide = max(norms_of[0].dtype, values.dtype, key=_bits)  # type: ignore[union-attr]
-        norms_of = [x.to(wide) for x in norms_of]
-    host: list[float] = (
-        (torch.cat(norms_of) if len(norms_of) == 2 else norms_of[0]).tolist() if norms_of else []
-    )
-    host_values = dict(zip(terms, host[len(flat) :], strict=True))
-    for m, grads, start, present, known in lists:  # single terms first: a sum's known parameters read them
-        if present is None:
-            statuses, norms = judged(host[start : start + n], None)
-        else:
-            found = iter(host[start : start + present.count(True)])
-            statuses, norms = judged([next(found) if p else 0.0 for p in present], present)
-        if known:
-            for i, other in known.items():
-                statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
-        if math.inf in norms:  # an inf, or a finite sum past the accumulation dtype: rechecked
-            over = [i for i, v in enumerate(norms) if v == math.inf and not (known and i in known)]
-            if over:
-                _recheck_overflow(grads, over, statuses, norms)
-        m.statuses, m.norms = statuses, norms
-    share = (time.perf_counter() - t0) / max(1, len(lists)) + forward_seconds / len(scenarios)
-    finite = [v for v in host_values.values() if v is not None]
-    total_value = sum(finite) if finite else None
-    for m in results.values():
-        m.seconds += share
-        m.term_values = dict(host_values)
-        if m.statuses is not None:
-            m.total = total_value
-    return results
-
-
-def _uniform(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> bool:
-    """Dense tensors of ``dtype`` on ``device`` (tested for all at once, at C speed)."""
-    return (
-        set(map(_DTYPE, tensors)) <= {dtype}
-        and set(map(_DEVICE, tensors)) <= {device}
-        and set(map(_LAYOUT, tensors)) <= _STRIDED
-    )
-
-
-def _placed(grads: Sequence[torch.Tensor | None], flat: list[torch.Tensor]) -> tuple[int, list[bool] | None]:
-    """``grads``' present gradients appended to ``flat``: where they start there, and which are
-    present (None: all of them)."""
-    start = len(flat)
-    present = list(map(operator.is_not, grads, repeat(None)))
-    if all(present):
-        flat.extend(grads)  # type: ignore[arg-type]
-        return start, None
-    flat.extend(compress(grads, present))  # type: ignore[arg-type]
-    return start, present
 
 
 # torch.autograd.grad as torch ships it, and the engine call it ends in (torch 2.2 and later).

@@ -1,6 +1,7 @@
-"""A small model's gradients are read in one batched reduction after the last backward
-(``measure._read_held``); a big one's by the general path (a ``Plan``, term by term). Both must decide
-every scenario the same way: the same statuses, norms, failures, term values and kept gradients."""
+"""A small model's gradients are held until the last backward and read at once (``HELD_TENSORS``); a
+big one's are read term by term, each released before the next backward. Both must decide every
+scenario the same way: the same statuses, norms, failures, term values and kept gradients; and what
+they decide must be right (zeros, NaN, inf, an overflowing sum, failing and constant terms)."""
 
 from __future__ import annotations
 
@@ -86,20 +87,10 @@ def _measured(
     params = list(model.parameters())
     with monkeypatch.context() as m:
         if not held:
-            m.setattr(measure, "HELD_TENSORS", 0)  # the general path, as for a big model
-        calls: list[bool] = []  # whether the held read decided (not None: no fallback)
-        read_held = measure._read_held
-
-        def counted(*args: Any) -> Any:
-            out = read_held(*args)
-            calls.append(out is not None)
-            return out
-
-        m.setattr(measure, "_read_held", counted)
+            m.setattr(measure, "HELD_TENSORS", 0)  # term by term, as for a big model
         _, _, results = measure.per_term(
             lambda: step(model, x), params, None, lambda ts: resolve_scenarios(given, ts), keep=keep
         )
-        assert calls == ([True] if held else [])
     return results
 
 
@@ -115,9 +106,9 @@ def _same_float(a: float | None, b: float | None) -> bool:
 @pytest.mark.parametrize("case", list(CASES))
 def test_small_models_are_read_as_big_ones_are(case: str, dtype: torch.dtype, monkeypatch):
     held = _measured(case, dtype, True, True, monkeypatch)
-    general = _measured(case, dtype, False, True, monkeypatch)
-    assert [m.scenario for m in held] == [m.scenario for m in general]
-    for a, b in zip(held, general, strict=True):
+    one_by_one = _measured(case, dtype, False, True, monkeypatch)
+    assert [m.scenario for m in held] == [m.scenario for m in one_by_one]
+    for a, b in zip(held, one_by_one, strict=True):
         assert a.statuses == b.statuses, a.scenario
         assert a.norms is not None or b.norms is None
         if a.norms is not None:
@@ -174,7 +165,7 @@ def test_the_held_read_decides_what_the_case_says(monkeypatch):
     assert by["all"].error is None and by["all"].statuses == by["fit only"].statuses
 
 
-def test_sparse_gradients_take_the_general_path(monkeypatch):
+def test_sparse_gradients_are_read_held_or_not(monkeypatch):
     torch.manual_seed(0)
     model = nn.ModuleDict({"emb": nn.Embedding(10, 3, sparse=True), "out": nn.Linear(3, 1)})
     idx = torch.tensor([1, 2, 2])
@@ -184,9 +175,11 @@ def test_sparse_gradients_take_the_general_path(monkeypatch):
         return {"fit": y.mean(), "emb": model["emb"](idx).sum()}
 
     scenarios = (Scenario("fit only", ("fit",)), Scenario("all", ("fit", "emb")))
-    calls: list[bool] = []
-    read_held = measure._read_held
-    monkeypatch.setattr(measure, "_read_held", lambda *a: calls.append(read_held(*a) is not None))
-    _, _, results = measure.per_term(step, list(model.parameters()), None, lambda ts: scenarios)
-    assert calls == [False]  # declined: read term by term as a big model's
-    assert [m.statuses for m in results] == [["nonzero"] * 3, ["nonzero"] * 3]
+    for held in (64, 0):
+        monkeypatch.setattr(measure, "HELD_TENSORS", held)
+        _, _, results = measure.per_term(step, list(model.parameters()), None, lambda ts: scenarios)
+        assert [m.statuses for m in results] == [["nonzero"] * 3, ["nonzero"] * 3]
+        weight = model["emb"].weight
+        out = step()
+        expected = sum(torch.autograd.grad(out[t], weight)[0].to_dense() for t in ("fit", "emb")).abs().sum()
+        assert results[1].norms[0] == pytest.approx(float(expected), rel=1e-6)
