@@ -134,7 +134,7 @@ def test_small_models_are_read_as_big_ones_are(case: str, dtype: torch.dtype, mo
 
 
 def test_the_held_read_decides_what_the_case_says(monkeypatch):
-    # Not only the same as the general path: right. A term's own parameters, exact zeros, NaN, inf,
+    # Not only the same held or one by one: right. A term's own parameters, exact zeros, NaN, inf,
     # a finite sum past float32 (a finite gradient: nonzero, its norm finite in float64), failures.
     (fit,) = [
         m for m in _measured("plain", torch.float32, True, False, monkeypatch) if m.scenario == "decay only"
