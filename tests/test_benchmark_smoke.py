@@ -5,6 +5,7 @@ quick run's sizes are too small for its ratios to mean anything (docs/benchmarks
 """
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,29 @@ def test_quick_benchmark_runs_and_prints_its_sections():
     # One PASS or FAIL line per requirement (whatever their verdicts).
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS  ", "FAIL  "))]
     assert len(verdicts) >= 12, out[-3000:]
+
+
+@pytest.mark.slow
+def test_ab_and_bound_scripts_run():
+    # benchmarks/ab_small.py (two trees in alternating processes; here the same tree twice) and
+    # benchmarks/bound_small.py (a minimal state-keeping probe against the floor) run and print a row
+    # per small model; their numbers are not checked (two rounds mean nothing).
+    src = str(ROOT / "src")
+    for args in (["ab_small.py", src, src, "--pairs", "1", "--reps", "2"], ["bound_small.py", "--reps", "2"]):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        rows = [
+            line
+            for line in proc.stdout.splitlines()
+            if line.startswith(("small functional", "MLP", "transformer"))
+        ]
+        assert len(rows) == 3, proc.stdout
+        # Every row holds its measured numbers (ratios per tree and their difference; times and ratios).
+        assert all(len(re.findall(r"\d+\.\d{3}", row)) >= 4 for row in rows), rows
