@@ -84,13 +84,13 @@ def main() -> int:
                 ratios.setdefault(row["model"], {"A": [], "B": []})[tree].append(row["probe"] / row["floor"])
         print(f"pair {k + 1}/{args.pairs} done", file=sys.stderr, flush=True)
     print(f"A = {args.a}\nB = {args.b}\n{args.pairs} pairs of processes, {args.reps} rounds each")
-    print(f"{'model':<34}{'probe/floor, A':>28}{'probe/floor, B':>28}   B - A (range)")
+    print(f"{'model':<34}{'probe/floor, A (mean)':>30}{'probe/floor, B (mean)':>32}   B - A (range)")
     for model, by in ratios.items():
         diffs = [b - a for a, b in zip(by["A"], by["B"], strict=True)]
         mean_a, mean_b = sum(by["A"]) / len(by["A"]), sum(by["B"]) / len(by["B"])
         print(
-            f"{model:<34}{' '.join(f'{r:.3f}' for r in by['A']):>20} ({mean_a:.3f})"
-            f"{' '.join(f'{r:.3f}' for r in by['B']):>20} ({mean_b:.3f})"
+            f"{model:<34}{' '.join(f'{r:.3f}' for r in by['A']):>20} ({mean_a:.3f})  "
+            f"{' '.join(f'{r:.3f}' for r in by['B']):>20} ({mean_b:.3f})  "
             f"   {sum(diffs) / len(diffs):+.3f} ({min(diffs):+.3f}..{max(diffs):+.3f})"
         )
     return 0
