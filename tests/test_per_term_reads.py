@@ -45,7 +45,7 @@ CASES: dict[str, tuple[Callable[[nn.Module, torch.Tensor], dict[str, torch.Tenso
         },
         None,
     ),
-    "a term that reaches nothing": (
+    "a term whose one path gives exact zeros": (
         lambda m, x: {"fit": m(x).mean(), "dead": (m(x).detach() * 0 + x.sum()).sum() + m.extra.sum() * 0},
         None,
     ),
@@ -64,7 +64,7 @@ CASES: dict[str, tuple[Callable[[nn.Module, torch.Tensor], dict[str, torch.Tenso
         None,
     ),
     "a finite L1 sum past float32": (
-        lambda m, x: {"big": (m[1 - 1].weight * 3e37).sum(), "fit": m(x).mean()},
+        lambda m, x: {"big": (m[0].weight * 3e37).sum(), "fit": m(x).mean()},
         None,
     ),
     "custom scenarios, no term alone": (
