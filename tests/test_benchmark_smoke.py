@@ -28,10 +28,10 @@ SECTIONS = [
 ]
 
 
-@pytest.mark.slow
-def test_quick_benchmark_runs_and_prints_its_sections():
+def _run(script: Path, *args: str) -> str:
+    """The stdout of ``python script args...`` run from the repository root; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
+        [sys.executable, str(script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -39,7 +39,12 @@ def test_quick_benchmark_runs_and_prints_its_sections():
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_and_prints_its_sections():
+    out = _run(SCRIPT, "--quick")
     positions = [out.find(s) for s in SECTIONS]
     assert all(p >= 0 for p in positions), [s for s, p in zip(SECTIONS, positions, strict=True) if p < 0]
     assert positions == sorted(positions), "sections out of order"
@@ -62,20 +67,10 @@ def test_ab_and_bound_scripts_run():
     # per small model; their numbers are not checked (two rounds mean nothing).
     src = str(ROOT / "src")
     for args in (["ab_small.py", src, src, "--pairs", "1", "--reps", "2"], ["bound_small.py", "--reps", "2"]):
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        out = _run(ROOT / "benchmarks" / args[0], *args[1:])
         rows = [
-            line
-            for line in proc.stdout.splitlines()
-            if line.startswith(("small functional", "MLP", "transformer"))
+            line for line in out.splitlines() if line.startswith(("small functional", "MLP", "transformer"))
         ]
-        assert len(rows) == 3, proc.stdout
+        assert len(rows) == 3, out
         # Every row holds its measured numbers (ratios per tree and their difference; times and ratios).
         assert all(len(re.findall(r"\d+\.\d{3}", row)) >= 4 for row in rows), rows
