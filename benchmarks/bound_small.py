@@ -1,7 +1,9 @@
-"""What the necessary work of an eager probe costs on section 6's small models: a lower bound.
+"""What the necessary work of an eager probe and its state guarantee cost on section 6's small models.
 
     python benchmarks/bound_small.py            # 300 interleaved rounds per model
     python benchmarks/bound_small.py --reps 50
+    python benchmarks/bound_small.py --phases   # also the guarantee level by level
+    python benchmarks/bound_small.py --warm     # each call right after one of itself, no gc.collect()
 
 ``minimal`` below is a hand-written probe of one model: the least a probe that leaves the model as it
 found it must do. It saves the buffers (a copy), the RNG state, the modules' modes and the ``.grad``
@@ -11,10 +13,14 @@ and the term values to the host once; and puts the state back. It does not check
 parameters' values, module attributes, hooks, process-wide settings, Python's or NumPy's RNG, nor build
 a flow map or findings: what gradprobe does besides that work is its bookkeeping.
 
-Printed per model, minima of interleaved rounds (the naive loop, the floor, ``minimal`` and
+``guarded`` runs the same work inside gradprobe's own walk of the model and its whole state guarantee
+(``contained`` and ``preserved``, as ``probe`` runs them): the gap between it and the floor is what
+keeping the user's state costs, whatever the rest of the probe costs.
+
+Printed per model, minima of interleaved rounds (the naive loop, the floor, ``minimal``, ``guarded`` and
 ``gradprobe.probe``, ``gc.collect()`` before each call, as section 6 measures): each against the floor.
-The measured gap between ``minimal`` and the probe is the bookkeeping's cost (docs/benchmarks.md,
-"Seventh session on issue 20").
+The gap between ``minimal`` and the probe is the bookkeeping's cost (docs/benchmarks.md, "Seventh
+session on issue 20"); between ``guarded`` and the floor, the state guarantee's ("Eighth session").
 """
 
 from __future__ import annotations
@@ -33,16 +39,14 @@ from baselines import floor_eager, naive_eager
 from timing import best, interleaved
 
 import gradprobe
+from gradprobe import state
+from gradprobe.state import contained, preserved
+from gradprobe.walk import walk
 
 
-def minimal(model: torch.nn.Module, step: Any, batch: Any) -> list[float]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    modules = list(model.modules())
-    modes = [m.training for m in modules]
-    buffers = list(model.buffers())
-    saved = [b.clone() for b in buffers]
-    rng = torch.get_rng_state()
-    grads_before = [p.grad for p in params]
+def _work(model: torch.nn.Module, step: Any, batch: Any, params: list[torch.nn.Parameter]) -> list[float]:
+    """The measurement itself: one forward, one ``autograd.grad`` per term, the sum for all of them,
+    every L1 norm in one ``_foreach_norm`` and one copy to the host."""
     with torch.enable_grad():
         out = step(model, batch)
         names = list(out)
@@ -56,7 +60,19 @@ def minimal(model: torch.nn.Module, step: Any, batch: Any) -> list[float]:
     ]
     flat = [g for gs in (*per_term, total) for g in gs if g is not None]
     norms = torch._foreach_norm(flat, 1, dtype=torch.float32)
-    host = torch.stack([*norms, *(v.detach().float() for v in out.values())]).tolist()
+    return torch.stack([*norms, *(v.detach().float() for v in out.values())]).tolist()
+
+
+def minimal(model: torch.nn.Module, step: Any, batch: Any) -> list[float]:
+    """``_work`` with the least state kept: buffers, torch's CPU RNG, modes and ``.grad`` objects."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    buffers = list(model.buffers())
+    saved = [b.clone() for b in buffers]
+    rng = torch.get_rng_state()
+    grads_before = [p.grad for p in params]
+    host = _work(model, step, batch, params)
     for b, s in zip(buffers, saved, strict=True):
         b.copy_(s)
     torch.set_rng_state(rng)
@@ -67,18 +83,55 @@ def minimal(model: torch.nn.Module, step: Any, batch: Any) -> list[float]:
     return host
 
 
-def timed(case: bp.Case, reps: int) -> dict[str, float]:
-    """Minima of interleaved rounds of the four contenders on one case (seconds)."""
+# What guarded() runs around the work, cumulatively (``--phases`` times each level in the same rounds).
+LEVELS = ("walk", "context copy", "model state", "process-wide state")
+
+
+def guarded(model: torch.nn.Module, step: Any, batch: Any, upto: str = LEVELS[-1]) -> list[float]:
+    """``_work`` inside gradprobe's own walk of the model and its whole state guarantee, as
+    ``run_probe`` runs them: out of inference mode, in a copy of the context (``contained``), the
+    model's state (values, attributes, hooks, flags, ``.grad``) and the process-wide state (settings,
+    mode stacks, RNG streams) saved and put back (``preserved``). What ``probe`` costs beyond this is
+    its measurement's bookkeeping, the spec checks, the flow map and the findings. ``upto``: only the
+    levels of ``LEVELS`` up to this one (the last, the default, is ``preserved`` itself)."""
+    level = LEVELS.index(upto)
+
+    def body() -> list[float]:
+        tree = walk(model)
+        named = tree.parameters
+        params = [p for _, p in named if p.requires_grad]
+        if level == len(LEVELS) - 1:
+            with preserved(model, [p for _, p in named], tree.modules, contained=True):
+                return _work(model, step, batch, params)
+        if level < LEVELS.index("model state"):
+            return _work(model, step, batch, params)
+        saved = state._snapshot_model(model, [p for _, p in named], tree.modules)
+        try:
+            return _work(model, step, batch, params)
+        finally:
+            state._restore_model(saved)
+
+    with torch.inference_mode(False):
+        return body() if level == 0 else contained(body)
+
+
+def timed(case: bp.Case, reps: int, levels: bool = False, warm: bool = False) -> dict[str, float]:
+    """Minima of interleaved rounds of the contenders on one case (seconds); ``levels``: also
+    ``guarded`` up to each of its levels but the last; ``warm``: see ``timing.interleaved``."""
     model, step, batch, spec = case.model, case.step, case.batch, case.spec
     fns = {
         "naive": lambda: naive_eager(model, step, batch, case.terms, case.scenarios),
         "floor": lambda: floor_eager(model, step, batch, case.scenarios),
         "minimal": lambda: minimal(model, step, batch),
+        "guarded": lambda: guarded(model, step, batch),
         "probe": lambda: gradprobe.probe(spec),
     }
+    if levels:
+        for name in LEVELS[:-1]:
+            fns[name] = lambda name=name: guarded(model, step, batch, name)
     for fn in fns.values():  # warm-up, untimed
         fn()
-    return best(interleaved(fns, reps, before=lambda: model.zero_grad(set_to_none=True)))
+    return best(interleaved(fns, reps, before=lambda: model.zero_grad(set_to_none=True), warm=warm))
 
 
 def main() -> int:
@@ -86,20 +139,42 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--reps", type=int, default=300, help="interleaved rounds per model (default 300)")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time guarded() up to each of its levels (walk, context copy, model state) in the same rounds",
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="time each call right after an untimed call of the same one, no gc.collect() (section 6 runs cold)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"gradprobe from {Path(gradprobe.__file__).parent}, {args.reps} interleaved rounds, minima")
+    how = "warm: each after an untimed call of itself" if args.warm else "gc.collect() before each"
+    print(f"gradprobe from {Path(gradprobe.__file__).parent}, {args.reps} interleaved rounds, minima ({how})")
     print(
-        f"{'model':<34}{'naive ms':>10}{'floor ms':>10}{'minimal ms':>12}{'probe ms':>10}"
-        f"{'minimal/floor':>15}{'probe/floor':>13}"
+        f"{'model':<34}{'naive ms':>10}{'floor ms':>10}{'minimal ms':>12}{'guarded ms':>12}{'probe ms':>10}"
+        f"{'minimal/floor':>15}{'guarded/floor':>15}{'probe/floor':>13}"
     )
+    rows = []
     for make in (bp.small_case, bp.mlp_case, bp.encoder_case):
         case = make()
-        b = timed(case, args.reps)
+        b = timed(case, args.reps, levels=args.phases, warm=args.warm)
+        rows.append((case.name, b))
+        ms = "".join(f"{b[k] * 1e3:>{w}.3f}" for k, w in (("naive", 10), ("floor", 10), ("minimal", 12),
+                                                             ("guarded", 12), ("probe", 10)))  # fmt: skip
+        ratios = "".join(f"{b[k] / b['floor']:>{w}.2f}x" for k, w in (("minimal", 14), ("guarded", 14),
+                                                                        ("probe", 12)))  # fmt: skip
+        print(f"{case.name:<34}{ms}{ratios}")
+    if args.phases:
         print(
-            f"{case.name:<34}{b['naive'] * 1e3:>10.3f}{b['floor'] * 1e3:>10.3f}{b['minimal'] * 1e3:>12.3f}"
-            f"{b['probe'] * 1e3:>10.3f}{b['minimal'] / b['floor']:>14.2f}x{b['probe'] / b['floor']:>12.2f}x"
+            "\nguarded() up to each level, against the floor (same rounds; each level adds to the one before)"
         )
+        print(f"{'model':<34}" + "".join(f"{n:>20}" for n in LEVELS))
+        for name, b in rows:
+            print(f"{name:<34}" + "".join(f"{b[n if n != LEVELS[-1] else 'guarded'] / b['floor']:>19.2f}x"
+                                          for n in LEVELS))  # fmt: skip
     return 0
 
 

@@ -60,17 +60,29 @@ def test_quick_benchmark_runs_and_prints_its_sections():
     assert len(verdicts) >= 12, out[-3000:]
 
 
+def _model_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(("small functional", "MLP", "transformer"))]
+
+
 @pytest.mark.slow
 def test_ab_and_bound_scripts_run():
     # benchmarks/ab_small.py (two trees in alternating processes; here the same tree twice) and
-    # benchmarks/bound_small.py (a minimal state-keeping probe against the floor) run and print a row
-    # per small model; their numbers are not checked (two rounds mean nothing).
+    # benchmarks/bound_small.py (a minimal state-keeping probe and the work inside gradprobe's state
+    # guarantee, against the floor) run and print a row per small model; their numbers are not checked
+    # (two rounds mean nothing).
     src = str(ROOT / "src")
-    for args in (["ab_small.py", src, src, "--pairs", "1", "--reps", "2"], ["bound_small.py", "--reps", "2"]):
-        out = _run(ROOT / "benchmarks" / args[0], *args[1:])
-        rows = [
-            line for line in out.splitlines() if line.startswith(("small functional", "MLP", "transformer"))
-        ]
-        assert len(rows) == 3, out
-        # Every row holds its measured numbers (ratios per tree and their difference; times and ratios).
-        assert all(len(re.findall(r"\d+\.\d{3}", row)) >= 4 for row in rows), rows
+    rows = _model_rows(_run(ROOT / "benchmarks" / "ab_small.py", src, src, "--pairs", "1", "--reps", "2"))
+    assert len(rows) == 3, rows
+    # Every row holds its measured numbers (ratios per tree and their difference).
+    assert all(len(re.findall(r"\d+\.\d{3}", row)) >= 4 for row in rows), rows
+
+    for how in ("--phases", "--warm"):  # cold (section 6's method) with the levels; warm without
+        out = _run(ROOT / "benchmarks" / "bound_small.py", "--reps", "2", how)
+        rows = _model_rows(out)
+        # The table of contenders, then (--phases) the guarantee's levels.
+        assert len(rows) == (6 if how == "--phases" else 3), out
+        times, levels = rows[:3], rows[3:]
+        # Five times in ms and three ratios per model; a ratio per level.
+        assert all(len(re.findall(r"\d+\.\d{3}", row)) == 5 for row in times), times
+        assert all(len(re.findall(r"\d+\.\d{2}x", row)) == 3 for row in times), times
+        assert all(len(re.findall(r"\d+\.\d{2}x", row)) == 4 for row in levels), levels
