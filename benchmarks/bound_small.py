@@ -98,14 +98,14 @@ def guarded(model: torch.nn.Module, step: Any, batch: Any, upto: str = LEVELS[-1
 
     def body() -> list[float]:
         tree = walk(model)
-        named = tree.parameters
-        params = [p for _, p in named if p.requires_grad]
+        every = [p for _, p in tree.parameters]  # what the guarantee saves: trainable or not
+        params = [p for p in every if p.requires_grad]
         if level == len(LEVELS) - 1:
-            with preserved(model, [p for _, p in named], tree.modules, contained=True):
+            with preserved(model, every, tree.modules, contained=True):
                 return _work(model, step, batch, params)
         if level < LEVELS.index("model state"):
             return _work(model, step, batch, params)
-        saved = state._snapshot_model(model, [p for _, p in named], tree.modules)
+        saved = state._snapshot_model(model, every, tree.modules)
         try:
             return _work(model, step, batch, params)
         finally:
