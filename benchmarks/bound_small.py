@@ -93,11 +93,8 @@ def minimal(model: torch.nn.Module, step: Any, batch: Any) -> list[float]:
     return host
 
 
-_DATA = operator.attrgetter("data")
-_GRAD = operator.attrgetter("grad")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TRAINING = operator.attrgetter("training")
-_NBYTES = operator.attrgetter("nbytes")
+_DATA, _GRAD, _REQUIRES_GRAD, _NBYTES = state._DATA, state._GRAD, state._REQUIRES_GRAD, state._NBYTES
 
 
 def listed(model: torch.nn.Module, step: Any, batch: Any) -> list[float]:

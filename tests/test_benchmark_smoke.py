@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_state import assert_same, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_probe.py"
@@ -84,7 +85,7 @@ def test_ab_and_bound_scripts_run():
         # The table of contenders, then (--phases) the guarantee's levels.
         assert len(rows) == (6 if how == "--phases" else 3), out
         times, levels = rows[:3], rows[3:]
-        # Five times in ms and three ratios per model; a ratio per level.
+        # Six times in ms and four ratios per model; a ratio per level.
         assert all(len(re.findall(r"\d+\.\d{3}", row)) == 6 for row in times), times
         assert all(len(re.findall(r"\d+\.\d{2}x", row)) == 4 for row in times), times
         assert all(len(re.findall(r"\d+\.\d{2}x", row)) == 4 for row in levels), levels
@@ -100,28 +101,6 @@ def _bound_small():
     return bound_small, make_mlp, mlp_step
 
 
-def _state(model):
-    """Bit-exact values of parameters and buffers, the RNG, modes, flags and .grad objects."""
-    return (
-        {k: v.clone() for k, v in model.state_dict().items()},
-        torch.get_rng_state(),
-        [m.training for m in model.modules()],
-        [(p.requires_grad, p.grad) for p in model.parameters()],
-    )
-
-
-def _same(a, b) -> bool:
-    values_a, rng_a, modes_a, flags_a = a
-    values_b, rng_b, modes_b, flags_b = b
-    return (
-        values_a.keys() == values_b.keys()
-        and all(torch.equal(values_a[k], values_b[k]) for k in values_a)
-        and torch.equal(rng_a, rng_b)
-        and modes_a == modes_b
-        and all(x[0] == y[0] and x[1] is y[1] for x, y in zip(flags_a, flags_b, strict=True))
-    )
-
-
 def test_listed_contender_keeps_what_it_lists():
     # bound_small.listed is the yardstick for the part of the guarantee the developers' guide lists:
     # it must keep that part, or the gap it measures means nothing. The MLP's step updates BatchNorm's
@@ -129,17 +108,18 @@ def test_listed_contender_keeps_what_it_lists():
     bound_small, make_mlp, mlp_step = _bound_small()
     model, batch = make_mlp()
     model[0].weight.grad = torch.ones_like(model[0].weight)
-    before = _state(model)
+    before = snapshot(model)
     params = [p for p in model.parameters() if p.requires_grad]
     bound_small._work(model, mlp_step, batch, params)
-    assert not _same(before, _state(model))  # the check below can fail
+    with pytest.raises(AssertionError):  # the check below can fail
+        assert_same(before, snapshot(model))
 
     model, batch = make_mlp()
     model[0].weight.grad = torch.ones_like(model[0].weight)
-    before = _state(model)
+    before = snapshot(model)
     values = bound_small.listed(model, mlp_step, batch)
     assert len(values) > 3 and all(map(math.isfinite, values))
-    assert _same(before, _state(model))
+    assert_same(before, snapshot(model))
 
     def rough(m, b):  # replaces a storage, edits values in place, flips flags and modes, drops a .grad
         out = mlp_step(m, b)
@@ -155,5 +135,5 @@ def test_listed_contender_keeps_what_it_lists():
     # The flipped flag makes the work's autograd.grad fail: the state is put back all the same.
     with pytest.raises(RuntimeError, match="does not require grad"):
         bound_small.listed(model, rough, batch)
-    assert _same(before, _state(model))
+    assert_same(before, snapshot(model))
     assert model[0].weight.untyped_storage().data_ptr() == storage  # its own storage, not a copy
