@@ -290,15 +290,11 @@ def test_writes_no_version_counter_sees_are_undone(edit, kind):
     assert model.lin.weight.grad is None
 
 
-def test_a_few_cpu_tensors_are_saved_as_bytes_and_a_moved_storage_is_written_back():
-    """A small plain model on the CPU is saved as bytes (no torch op); a step that grows a parameter's
-    storage (its memory moves) still gets it back: values, sizes, strides and dtype as before."""
-    from gradprobe import state
-
+def test_a_parameter_whose_storage_the_step_grows_is_put_back():
+    """A step that grows a parameter's storage (its memory moves) still gets it back: values, sizes,
+    strides and dtype as before."""
     torch.manual_seed(0)
     model = Plain()
-    assert state._Saved([*model.parameters(), *model.buffers()]).host is not None
-    assert Tied().wt.is_contiguous() is False  # the other kind goes through torch's copies
     before = _values(model)
 
     def step(m, x):
@@ -375,9 +371,9 @@ def test_config_set_on_any_config_module_is_undone_without_a_copy(monkeypatch):
     # and without reading the values of the modules it lists.
     from torch.fx.experimental import _config as fx_config
 
-    from gradprobe import state
+    from gradprobe import process_state as state
 
-    if not state._CONTEXT_CONFIG:
+    if not state.CONTEXT_CONFIG:
         pytest.skip("config values are not ContextVars on this torch")
     before = fx_config.translation_validation
 
@@ -424,39 +420,18 @@ def test_config_module_first_imported_by_the_step_keeps_what_was_set_there(tmp_p
         sys.modules.pop("gradprobe_fresh_config", None)
 
 
-def test_numpy_rng_state_is_read_without_get_state():
-    # The legacy RNG's state is read through its ctypes words and the cached Gaussian's place in the
-    # RandomState, found once per process and checked against get_state: here it must be found, and
-    # give what get_state gives, with and without a cached Gaussian.
-    np = pytest.importorskip("numpy")
-    from gradprobe import state
-
-    for cached in (False, True):
-        np.random.seed(11)
-        np.random.rand(3)
-        if cached:
-            np.random.standard_normal()
-        saved = state._numpy_state(np)
-        assert isinstance(saved, state._NumpyState), "NumPy's layout was not found: get_state is used"
-        expected = np.random.get_state()
-        got = saved.as_tuple(np)
-        assert got[0] == expected[0] and (got[1] == expected[1]).all() and got[2:] == expected[2:]
-
-
-def test_python_rng_is_put_back_exactly_from_its_bytes():
-    # Python's global RNG is saved as the bytes of its C state (its layout found once per process and
-    # checked there) and its cached Gaussian: a step that draws and reseeds leaves it as found, with and
-    # without a Gaussian cached; without the layout, getstate and setstate do it.
+def test_python_rng_is_put_back_exactly():
+    # A step that reseeds and draws (a Gaussian, which caches the pair's second value) leaves Python's
+    # global RNG as found, with and without a cached Gaussian; reseeding is random.seed.
     import random
 
-    from gradprobe import state
+    from gradprobe.rng import reseed
 
     def step(m, b):  # type: ignore[no-untyped-def]
         random.seed(99)
         noise = random.gauss(0.0, 1.0)  # caches the pair's second value
         return {"fit": m(b).sum().square() * (1.0 + 0.0 * noise)}
 
-    assert isinstance(state._python_rng_state()[0], bytes), "the layout was not found: getstate is used"
     model = nn.Linear(2, 1)
     for cached in (False, True):
         random.seed(7)
@@ -467,23 +442,12 @@ def test_python_rng_is_put_back_exactly_from_its_bytes():
         assert (before[2] is not None) == cached
         gradprobe.probe(model, step, torch.ones(4, 2), progress=False)
         assert random.getstate() == before
-    for seed in (0, 5, 2**40 + 3):  # reseeding by the bytes random.seed left is random.seed
+    for seed in (0, 5, 2**40 + 3):
         random.gauss(0.0, 1.0)
-        state.reseed(seed)
-        state.reseed(seed)  # the second time from the bytes kept
+        reseed(seed)
         seeded = random.getstate()
         random.seed(seed)
         assert seeded == random.getstate()
-    found = state._PY_LAYOUT[:]
-    try:
-        state._PY_LAYOUT[:] = [None]  # no layout: getstate's (version, words, gauss_next), setstate
-        saved = state._python_rng_state()
-        assert saved == random.getstate()
-        random.random()
-        state._restore_python_rng(saved)
-        assert random.getstate() == saved
-    finally:
-        state._PY_LAYOUT[:] = found
 
 
 def test_flush_denormal_set_by_a_step_is_put_back():
@@ -548,16 +512,10 @@ def test_numpy_rng_with_a_cached_gaussian_is_put_back_exactly():
         assert after[0] == before[0] and (after[1] == before[1]).all() and after[2:] == before[2:]
 
 
-@pytest.mark.parametrize("compared", [True, False], ids=["compared", "written"])
 @pytest.mark.parametrize("edit", ["negative_zero", "nan_payload", "one_element", "none"])
-def test_small_plain_tensors_are_put_back_bit_for_bit(monkeypatch, edit, compared):
-    """Many contiguous small tensors are compared bit for bit before they are written (here four,
-    the threshold lowered), a few are written back: either way a change torch.equal would miss (0.0
-    to -0.0, another NaN) is undone, and values the step left alone stay as they were, version
-    counters included."""
-    from gradprobe import state
-
-    monkeypatch.setattr(state, "_COMPARE_MIN", 1 if compared else 1 << 30)
+def test_tensors_are_put_back_bit_for_bit(edit):
+    """A change torch.equal would miss (0.0 to -0.0, another NaN payload) is undone, and values the
+    step left alone stay as they were, version counters included."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     with torch.no_grad():
@@ -583,23 +541,6 @@ def test_small_plain_tensors_are_put_back_bit_for_bit(monkeypatch, edit, compare
         assert p._version == versions[n], n
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
-@pytest.mark.parametrize("changed", [None, 0, 3])
-def test_the_bitwise_comparison_in_chunks(monkeypatch, chunk, changed):
-    """The comparison flattens at most a chunk of elements at a time: a change in any chunk is seen,
-    and unchanged tensors compare equal whatever the chunk size."""
-    from gradprobe import state
-
-    monkeypatch.setattr(state, "_COMPARE_CHUNK", chunk)
-    monkeypatch.setattr(state, "_COMPARE_MIN", 1)
-    torch.manual_seed(0)
-    targets = [torch.randn(n) for n in (3, 5, 1, 8)]
-    flat = torch._utils._flatten_dense_tensors(targets).clone()
-    if changed is not None:
-        targets[changed][-1] = -targets[changed][-1]
-    assert state._unchanged_bits(targets, flat) is (changed is None)
-
-
 def test_cublas_reduced_precision_settings_are_put_back_with_their_split_k_flag():
     # cuBLAS keeps two flags per setting (reduced precision, split-k); the attribute sets both from
     # one bool. The probe reads and writes the pair, so a user's split-k choice survives a step that
@@ -620,18 +561,16 @@ def test_cublas_reduced_precision_settings_are_put_back_with_their_split_k_flag(
         put(*before)
 
 
-def test_reseeding_numpy_by_its_words_is_numpy_seed():
-    # reseed writes the words np.random.seed left the first time where no Gaussian is cached: the
-    # state must be exactly np.random.seed's, with and without a Gaussian cached before.
+def test_reseeding_numpy_is_numpy_seed():
+    # The state reseed leaves is exactly np.random.seed's, with and without a Gaussian cached before.
     np = pytest.importorskip("numpy")
-    from gradprobe import state
+    from gradprobe.rng import reseed
 
     np.random.seed(1)
-    state._numpy_state(np)  # finds the layout, as a probe's snapshot does
     for cached in (False, False, True):
         if cached:
             np.random.standard_normal()
-        state.reseed(5)
+        reseed(5)
         got = np.random.get_state()
         np.random.seed(5)
         expected = np.random.get_state()

@@ -30,9 +30,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import _get_current_function_mode_stack
 
 import gradprobe
-from gradprobe import state
+from gradprobe import process_state
 
-CONFIG_MODULES = [sys.modules[name] for name in state.CONFIG_MODULES if name in sys.modules]
+CONFIG_MODULES = [sys.modules[name] for name in process_state.CONFIG_MODULES if name in sys.modules]
 GLOBAL_HOOKS = [  # _global_forward_hooks, _global_backward_hooks, ... (the dicts of handles)
     name
     for name in dir(module_globals)

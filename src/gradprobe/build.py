@@ -19,6 +19,7 @@ import torch
 from torch.func import functional_call
 
 from .flowmap import RunError
+from .rng import reseed
 from .variants import VariantSpec
 
 Run = Callable[[Any, Mapping[str, torch.Tensor]], Any]
@@ -35,6 +36,7 @@ class VariantContext:
     batch: Any
     weights: Mapping[str, torch.Tensor]
     knobs: Mapping[str, Any] = field(default_factory=dict)  # a user variant's knob values
+    seed: int = 0  # every RNG is seeded with it before the build (a trace runs the step once)
 
     def weighted(self) -> Callable[[torch.nn.Module, Any, Mapping[str, torch.Tensor]], Any]:
         """A fresh function ``(model, batch, weights) -> (total, {term: value})`` around the user's step.
@@ -338,6 +340,8 @@ def build(variant: VariantSpec, ctx: VariantContext, traces: TraceCache | None =
     changes (its counters say which builds traced)."""
     from .measure import run_error
 
+    # A trace runs the step: it must draw the random numbers every other run of the probe draws.
+    reseed(ctx.seed)
     device = _device(ctx.model)
     autocast = variant.knob("autocast") if variant.capture != "user" else "off"
     mode = variant.knob("mode") if variant.capture != "user" else "as-is"

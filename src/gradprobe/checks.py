@@ -26,9 +26,9 @@ from .errors import SpecError
 from .measure import isolated, run_error
 from .optim import fresh_optimizer
 from .progress import stage
+from .rng import reseed
 from .scenarios import Scenario
 from .spec import ProbeSpec
-from .state import reseed
 from .step import check_total, make_weights
 from .variants import VariantSpec
 
@@ -303,7 +303,9 @@ def training_check(
     compiled_steps: dict[str, dict[str, int]] = {}  # steps in which the path's compiled code ran
     moved: dict[str, dict[str, float]] = {}  # |p - p0|_1 / |p0|_1 of the copy after the steps
     for variant in variants:
-        ctx = VariantContext(copy_model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
+        ctx = VariantContext(
+            copy_model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]), seed=spec.seed
+        )
         with stage(f"{variant.name}: build"):
             built = build(variant, ctx)
         curves[variant.name], verdicts[variant.name], errors[variant.name] = {}, {}, {}

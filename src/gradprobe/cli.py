@@ -1,8 +1,9 @@
 """The ``gradprobe`` command.
 
 Exit status: 0 when no finding has severity ``error``; 1 when one does; 2 on a usage or input error
-(bad arguments, a spec file that cannot be loaded, a step that breaks its contract). Info findings,
-such as a deliberately unused head, never fail it.
+(bad arguments, a spec file that cannot be loaded, a step that breaks its contract); 3 when gradprobe
+itself crashed (one line, the traceback with ``-v``). Info findings, such as a deliberately unused
+head, never fail it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from _gradprobe_cli import crashed
+
 from . import __version__
 from .errors import GradProbeError, SpecError
 from .flowmap import FlowMap
@@ -26,7 +29,7 @@ from .report.controls import visible
 from .report.styled import write_report
 from .spec import ProbeSpec
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2  # and 3, EXIT_INTERNAL: gradprobe itself crashed
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
@@ -92,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradprobe",
         description="Which parameters does each loss term reach, eager and compiled, and why not.",
-        epilog="exit status: 0 no error finding, 1 error findings, 2 usage or input error",
+        epilog="exit status: 0 no error finding, 1 error findings, 2 usage or input error, 3 gradprobe crashed",
     )
     parser.add_argument("--version", action="version", version=f"gradprobe {__version__}")
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="on a crash of gradprobe itself, print the traceback"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="probe the built-in reference potential (energy, force, virial)")
@@ -555,6 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GradProbeError as e:
         sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         return EXIT_USAGE
+    except Exception as e:  # gradprobe's own failure: a symptom of the user's model is a recorded finding
+        return crashed(e, args.verbose)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,10 @@ from .errors import GradProbeError, SpecError
 from .flowmap import Cell, Finding, FlowMap, Run, RunError, VariantInfo
 from .measure import Measurement, per_scenario, per_term
 from .probe import probe
+from .rng import reseed, restore_rng, save_rng
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, resolve_model
-from .state import _restore_rng, _snapshot_rng, preserved, reseed
+from .state import preserved
 from .status import INF, NAN, NONE, NONZERO, ZERO, reduce_grads, status_of
 from .step import check_terms, check_total, make_weights
 from .variants import VariantSpec, parse_variants
@@ -512,7 +513,7 @@ def _sharded_reduce(
         if b is not None
     ]
     modes = [(mod, mod.training) for mod in model.modules()]
-    rng = _snapshot_rng()
+    rng = save_rng()
     like = next(p.to_local() if isinstance(p, DTensor) else p for p in params)
     try:
         with _fsdp_settings(model) as groups, torch.enable_grad():
@@ -541,7 +542,7 @@ def _sharded_reduce(
                 mod._buffers[k].copy_(b)  # type: ignore[union-attr]
         for mod, training in modes:
             mod.training = training
-        _restore_rng(rng)
+        restore_rng(rng)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,9 +38,10 @@ from .flowmap import (
 )
 from .measure import Measurement, per_scenario, per_term
 from .progress import reporting, stage
+from .rng import reseed
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, check_values, resolve_model
-from .state import contained, gc_paused, isolated_settings, preserved, reseed
+from .state import contained, isolated_settings, preserved
 from .step import make_weights
 from .variants import VariantSpec, parse_variants
 from .walk import walk
@@ -139,7 +141,14 @@ def _run_probe(
     checks: tuple[str, ...] = (),
 ) -> FlowMap:
     model = resolve_model(spec, check=False)
-    tree = walk(model)  # one walk of the modules: parameters, buffers and modules for what follows
+    try:
+        tree = walk(model)  # one walk of the modules: parameters, buffers and modules for what follows
+    except RecursionError:
+        raise SpecError(
+            f"the model is nested deeper than Python's recursion limit ({sys.getrecursionlimit()}): torch's "
+            "own walk of its modules (named_modules) cannot list them. Raise the limit first "
+            "(sys.setrecursionlimit), or flatten the nesting"
+        ) from None
     named = tree.parameters
     check_values(model, named, tree.buffers)
     in_batch = batch_tensors(spec.batch)  # one walk of the batch for both checks
@@ -220,7 +229,13 @@ def _run_probe(
                     )  # fmt: skip
                 else:
                     ctx = VariantContext(
-                        model, spec.step, mode, terms, batch, make_weights(terms, terms, first)
+                        model,
+                        spec.step,
+                        mode,
+                        terms,
+                        batch,
+                        make_weights(terms, terms, first),
+                        seed=spec.seed,
                     )
                     with watch.window("build"), stage("build"):
                         built = build(variant, ctx)
@@ -309,6 +324,9 @@ def _run_probe(
                     ),
                 )
         evidence["dynamo"] = {name: w.to_dict() for name, w in watches.items()}
+        off = _dynamo_disabled() if builds else None
+        if off is not None:
+            evidence["environment"] = {"dynamo_disabled": off}
         advice = {name: dict(b.advice) for name, b in builds.items() if b.advice}
         if advice:  # a path's own words for a fix (a trainer adapter's), whatever the cause needs
             evidence["advice"] = advice
@@ -334,16 +352,15 @@ def _run_probe(
             for r in m.results:
                 r.grads = None
 
-    with gc_paused():  # tens of thousands of cells: gradprobe's own objects, no user code runs here
-        fm = _flow_map(
-            spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype,
-            bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence,
-        )  # fmt: skip
-        # The findings are the map's own reading of itself: set on the map just built, which no one
-        # else holds yet, instead of a second copy of every field (its indexes, built by the
-        # detectors, are kept).
-        object.__setattr__(fm, "findings", tuple(diagnose(fm)))
-        return fm
+    fm = _flow_map(
+        spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype,
+        bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence,
+    )  # fmt: skip
+    # The findings are the map's own reading of itself: set on the map just built, which no one
+    # else holds yet, instead of a second copy of every field (its indexes, built by the
+    # detectors, are kept).
+    object.__setattr__(fm, "findings", tuple(diagnose(fm)))
+    return fm
 
 
 def _isolated(variant: VariantSpec, alone: bool) -> contextlib.AbstractContextManager[Any]:
@@ -437,6 +454,7 @@ def _terms_caller(spec: ProbeSpec, model: torch.nn.Module, mode: str, terms: lis
     """A call returning the step's term values (weights mode: all weights on)."""
 
     def call() -> Any:
+        reseed(spec.seed)
         if mode == "terms":
             return spec.step(model, batch)
         out = spec.step(model, batch, make_weights(terms, terms, next(model.parameters())))
@@ -455,6 +473,14 @@ def _lint(built: Built | None, n_params: int) -> dict[str, Any] | None:
 def _compiles(results: list[Measurement]) -> int:
     """Runs during which the backend compiled something: 1 when the variant compiled once for all."""
     return sum(1 for m in results if m.compiled_graphs)
+
+
+def _dynamo_disabled() -> dict[str, Any] | None:
+    """How dynamo is switched off for the process, as ``torch.compile`` itself checks: the environment
+    variable ``TORCHDYNAMO_DISABLE=1`` or ``torch._dynamo.config.disable``; None when it is on."""
+    config = bool(getattr(sys.modules.get("torch._dynamo.config"), "disable", False))
+    env = os.environ.get("TORCHDYNAMO_DISABLE")
+    return {"env": env, "config": config} if config or env == "1" else None
 
 
 def _graph_breaks() -> int:
@@ -487,7 +513,9 @@ def _compare_on(
     batch2 = with_differentiable_inputs(batch2, spec.differentiable_inputs)
     first = params[0]
     if mode == "terms":
-        ctx = VariantContext(model, spec.step, mode, terms, batch2, make_weights(terms, terms, first))
+        ctx = VariantContext(
+            model, spec.step, mode, terms, batch2, make_weights(terms, terms, first), seed=spec.seed
+        )
         weighted = ctx.weighted()
 
         def eager(w: Any) -> Any:

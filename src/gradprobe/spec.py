@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import operator
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch.nn.parameter import UninitializedTensorMixin, is_lazy
+from torch.nn.parameter import is_lazy
 
 from .errors import SpecError
 from .scenarios import Scenario
@@ -231,17 +230,10 @@ def _built_seeded(factory: Callable[[], Any], seed: int) -> Any:
     """``factory()`` with every RNG seeded by ``spec.seed`` (its initial weights are the same in every
     process: torch's default seed differs per process, so snapshots of a factory's model never matched),
     and the caller's RNG streams as they were afterwards."""
-    from .state import _restore_rng, _snapshot_rng, reseed
+    from .rng import kept_rng
 
-    saved = _snapshot_rng()
-    try:
-        reseed(seed)
+    with kept_rng(seed):
         return factory()
-    finally:
-        _restore_rng(saved)
-
-
-_IS_META = operator.attrgetter("is_meta")
 
 
 def check_values(
@@ -251,20 +243,23 @@ def check_values(
 ) -> None:
     """Every parameter (``named``: the model's, listed once by the caller) and buffer (``buffers``:
     ``named_buffers()`` when the caller has listed them) has values."""
+    from torch._subclasses.fake_tensor import is_fake
+
     tensors = [*named, *(model.named_buffers() if buffers is None else buffers)]
-    values = [t for _, t in tensors]
-    # The usual case, tested at C speed: no lazy type among the few types (is_lazy is isinstance of
-    # the mixin), nothing on the meta device.
-    if not any(issubclass(kind, UninitializedTensorMixin) for kind in set(map(type, values))) and not any(
-        map(_IS_META, values)
-    ):
-        return
+    # Only tensors of another type (lazy, fake) or on the meta device can lack values.
     for name, t in tensors:
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta:
+            continue
         if is_lazy(t):
             owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             raise SpecError(
                 f"{name} is uninitialized ({type(owner).__name__} infers its shape on its first call): run "
                 "one forward on a batch before probing, e.g. model(batch), so that it has parameters"
+            )
+        if is_fake(t):
+            raise SpecError(
+                f"{name} is a FakeTensor (made under FakeTensorMode or by a tracer): it has a shape but no "
+                "values, so no gradient can be measured. Probe the real model, built outside FakeTensorMode"
             )
         if t.is_meta:
             raise SpecError(

@@ -54,6 +54,7 @@ import torch
 from ..build import Built, module_mode
 from ..errors import SpecError
 from ..flowmap import FlowMap
+from ..rng import kept_rng
 from ..variants import KnobTable
 
 TERMS = ("energy", "force", "virial")
@@ -410,12 +411,8 @@ class DeepmdAdapter:
         return self._batches[1]
 
     def _draw(self) -> dict[str, Any]:
-        state = torch.random.get_rng_state(), np.random.get_state()
-        try:
+        with kept_rng():  # drawing a batch must not move the user's random streams
             inputs, labels = self.trainer.get_data(is_train=True)
-        finally:
-            torch.random.set_rng_state(state[0])
-            np.random.set_state(state[1])
         return self.as_batch(inputs, labels)
 
     @staticmethod

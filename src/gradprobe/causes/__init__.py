@@ -20,6 +20,7 @@ from . import (
     dead_term,
     donated_buffers,
     double_backward,
+    dynamo_disabled,
     dynamo_internal,
     expectation_unmet,
     failed_checks,
@@ -42,6 +43,7 @@ from . import (
 from .common import Explained
 
 SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
+    dynamo_disabled.detect,
     trace_eval_mode.detect,
     makefx_detach.detect,
     double_backward.detect,

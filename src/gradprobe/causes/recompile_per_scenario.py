@@ -15,6 +15,7 @@ from typing import Any
 
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, runs_of, where
+from .dynamo_disabled import disabled
 from .facts import DYNAMO, ERRORS
 
 CAUSE = "recompile-per-scenario"
@@ -42,6 +43,8 @@ def _advice(guards: list[str]) -> str:
 
 
 def detect(fm: FlowMap) -> list[Finding]:
+    if disabled(fm) is not None:
+        return []  # nothing was compiled at all: dynamo-disabled says so
     findings = []
     dynamo = fm.evidence.get("dynamo") or {}
     names = fm.scenario_names

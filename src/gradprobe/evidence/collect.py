@@ -23,9 +23,10 @@ from ..build import Built, TraceCache, VariantContext, build
 from ..compare import noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
 from ..progress import stage
+from ..rng import reseed
 from ..scenarios import Scenario
 from ..spec import ProbeSpec
-from ..state import isolated_settings, reseed
+from ..state import isolated_settings
 from ..status import INF, NAN
 from ..step import make_weights
 from ..variants import VariantSpec
@@ -282,7 +283,9 @@ def bisect_failing(
         def _trial(
             v: VariantSpec, subset: list[Scenario], is_ref: bool, traces: TraceCache | None
         ) -> tuple[bool, str, dict[str, Any]]:
-            ctx = VariantContext(model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]))
+            ctx = VariantContext(
+                model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]), seed=spec.seed
+            )
             start, reused = time.perf_counter(), traces.reused if traces is not None else 0
             built = build(v, ctx, traces)
             # Where a trial's time goes: the build (make_fx's trace; a torch.compile wrapper is lazy),
@@ -375,6 +378,7 @@ def locate_nonfinite(
         return []
     term = next((t for t in terms if f"{t} only" in nonfinite), terms[0])
     try:
+        reseed(spec.seed)
         found = locate_nonfinite_backward(model, lambda: spec.step(model, batch), term)
     except Exception:
         return []
