@@ -155,9 +155,25 @@ def _put_back(container: Any, saved: Any) -> None:
         container.update(saved)
 
 
+# The names of nn.Module's containers among a module's attribute names, by the tuple of those names:
+# modules of one class share it, so thousands of modules are scanned once.
+_CONTAINERS_OF: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _container_names(bindings: dict[str, Any]) -> tuple[str, ...]:
+    names = tuple(bindings)
+    found = _CONTAINERS_OF.get(names)
+    if found is None:
+        found = tuple(k for k in names if k in _CONTAINER_NAMES or "hooks" in k)
+        if len(_CONTAINERS_OF) < 4096:  # modules with attributes of their own make new tuples
+            _CONTAINERS_OF[names] = found
+    return found
+
+
 class _SavedModule:
     """One module's class (``parametrize`` swaps it), attributes as bindings, and the contents of the
-    containers nn.Module fills in place (parameters, buffers, submodules, every hook dict)."""
+    containers nn.Module fills in place (parameters, buffers, submodules, every hook dict). Most hook
+    dicts are empty: only their emptiness is kept."""
 
     __slots__ = ("bindings", "cls", "containers", "module")
 
@@ -166,9 +182,9 @@ class _SavedModule:
         self.cls = type(module)
         self.bindings = dict(vars(module))
         self.containers = [
-            (v, v.copy())
-            for k, v in self.bindings.items()
-            if (k in _CONTAINER_NAMES or "hooks" in k) and isinstance(v, dict | set)
+            (v, v.copy() if v else None)
+            for v in map(self.bindings.__getitem__, _container_names(self.bindings))
+            if isinstance(v, (dict, set))
         ]
 
     def restore(self) -> None:
@@ -180,7 +196,11 @@ class _SavedModule:
                 del now[key]
             now.update(self.bindings)
         for container, saved in self.containers:
-            _put_back(container, saved)
+            if saved is None:
+                if container:
+                    container.clear()  # hooks (or members) the step added to an empty container
+            else:
+                _put_back(container, saved)
 
 
 def _restore_class(cls: type, saved: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ set before the probe (a list, a dict) are copied and put back if the step edits 
 from __future__ import annotations
 
 import copy
+import platform
 import sys
 import warnings
 from collections.abc import Callable
@@ -65,8 +66,17 @@ def register(
 
 
 def _flush_denormal() -> bool:
-    # torch has a setter and no getter: a float64 subnormal times one is zero when denormals are flushed.
+    """torch has a setter and no getter: a float64 subnormal times one is zero when denormals are
+    flushed. On x86 the flag is the thread's MXCSR register, which Python's own float arithmetic obeys
+    too: the same answer without a tensor (two tensor ops cold cost more than the rest of the settings)."""
+    if _X86:
+        return _TINY * _ONE == 0.0
     return bool((torch.full((1,), 1e-310, dtype=torch.float64) * 1.0).item() == 0.0)
+
+
+# Module globals, not literals: CPython folds constant expressions at compile time.
+_TINY, _ONE = 1e-310, 1.0
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def _attribute(path: str) -> tuple[str, Callable[[], Any], Callable[[Any], None]]:
@@ -230,15 +240,21 @@ def _hook_dicts(
     module_name: str,
 ) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[Any, Any], bool]]:
     """A module's global hook registries (``torch.nn.modules.module._global_forward_hooks`` ...): each
-    dict object and its items."""
+    dict object and its items. Their names are listed again only when the module's namespace changes
+    size (a scan of its hundred names costs more than the rest)."""
     module = sys.modules[module_name]
+    listed: list[Any] = [-1, ()]  # [len(vars(module)) when listed, the names then]
+
+    def names() -> tuple[str, ...]:
+        if listed[0] != len(vars(module)):
+            found = tuple(
+                k for k, v in vars(module).items() if k.startswith("_global_") and isinstance(v, dict)
+            )
+            listed[:] = [len(vars(module)), found]
+        return listed[1]
 
     def read() -> dict[str, tuple[Any, list[Any]]]:
-        return {
-            k: (v, list(v.items()))
-            for k, v in vars(module).items()
-            if k.startswith("_global_") and isinstance(v, dict)
-        }
+        return {k: (v, list(v.items())) for k in names() if isinstance(v := getattr(module, k, None), dict)}
 
     def write(saved: dict[str, tuple[Any, list[Any]]]) -> None:
         for name, (obj, items) in saved.items():

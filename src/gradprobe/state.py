@@ -8,6 +8,7 @@ which two at once would interleave. A child process forked while a probe runs ge
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import signal
@@ -80,6 +81,20 @@ class _Interrupts:
 
 
 @contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while gradprobe's own bookkeeping allocates (a snapshot of
+    thousands of modules): the allocations would set off collections that traverse the whole heap,
+    measured at two thirds of a snapshot's time at 4,000 modules. Never around the user's code."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextmanager
 def preserved(
     model: torch.nn.Module,
     params: list[torch.nn.Parameter] | None = None,
@@ -91,7 +106,7 @@ def preserved(
     caller has listed them already. ``contained``: the caller runs inside ``contained()``, which
     isolates the config modules."""
     with _PROBE_LOCK, _Interrupts() as interrupts:
-        with interrupts.deferred():
+        with interrupts.deferred(), _gc_paused():
             model_state = snapshot_model(model, params, modules)
             saved = save_globals(contained)
         try:
@@ -99,7 +114,7 @@ def preserved(
         finally:
             # Each part is restored even if another fails. A failure to restore is raised after all
             # ran, unless the body is already raising (its exception, a KeyboardInterrupt say, goes on).
-            with interrupts.deferred():
+            with interrupts.deferred(), _gc_paused():
                 errors = restore_globals(saved)
                 try:
                     restore_model(model_state)
