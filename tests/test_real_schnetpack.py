@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,15 +28,14 @@ import gradprobe  # noqa: E402
 pytestmark = pytest.mark.real_packages
 
 
-# The tiny SchNet potential, its frame and its step: the same builders as the benchmark's section 8.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import real_package  # noqa: E402
+# The tiny SchNet potential, its frame and its step (tests/schnetpack_model.py).
+import schnetpack_model  # noqa: E402
 
-_system, _step = real_package._system, real_package.schnetpack_step
+_system, _step = schnetpack_model._system, schnetpack_model.schnetpack_step
 
 
 def _model() -> torch.nn.Module:
-    return real_package._model(spk)
+    return schnetpack_model._model(spk)
 
 
 def test_the_model_compiled_alone_trains_energy_and_names_the_double_backward() -> None:

@@ -3,7 +3,7 @@ and comparing saved flow maps is linear in their size.
 
 Memory is measured with ``live_bytes.LiveBytes`` (every storage an op allocates, until it is freed): CPU
 torch keeps no allocator statistics. "Beyond a plain step" subtracts the peak of one forward and
-gradient of the step, which any training needs anyway. ``scripts/bench_scale.py`` measures the same at
+gradient of the step, which any training needs anyway. ``benchmarks/bench_scale.py`` measures the same at
 full size (a 200 MB flow map).
 """
 

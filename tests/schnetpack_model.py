@@ -1,35 +1,12 @@
-"""A model from a package we did not write, for the diagnose-time section: SchNetPack 2.1.
-
-A tiny SchNet potential (8 features, one interaction) on one random periodic frame of 5 atoms,
-neighbours from SchNetPack's own ASE list; energy, force and stress terms, as tests/test_real_schnetpack.py
-builds it. No download. ``schnetpack_case_parts()`` is None when SchNetPack is not installed.
-"""
+"""SchNetPack 2.1 for tests/test_real_schnetpack.py: a tiny SchNet potential (8 features, one
+interaction) on one random periodic frame of 5 atoms, neighbours from SchNetPack's own ASE list; energy,
+force and stress terms. No download. Import it only where SchNetPack is installed."""
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable
 from typing import Any
 
 import torch
-
-TERMS = ["energy", "force", "stress"]
-
-
-def available() -> bool:
-    return importlib.util.find_spec("schnetpack") is not None
-
-
-def _import_schnetpack() -> Any:
-    # torch 2.13 renamed torch.utils.data.dataloader.T_co to _T_co; SchNetPack 2.1 still imports the
-    # old name. The alias is the benchmark's workaround (the package is not patched).
-    import torch.utils.data.dataloader as dataloader
-
-    if not hasattr(dataloader, "T_co"):
-        dataloader.T_co = dataloader._T_co  # type: ignore[attr-defined]
-    import schnetpack
-
-    return schnetpack
 
 
 def _system(seed: int = 0, n: int = 5) -> dict[str, torch.Tensor]:
@@ -71,11 +48,3 @@ def schnetpack_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
     return {"energy": (out["energy"] - batch["energy"]).pow(2).mean(),
             "force": (out["forces"] - batch["forces"]).pow(2).mean(),
             "stress": (out["stress"] - batch["stress"]).pow(2).mean()}  # fmt: skip
-
-
-def schnetpack_case_parts() -> tuple[torch.nn.Module, Callable[..., Any], Any, Any, list[str]] | None:
-    """(model, step, batch, second batch, terms), or None without SchNetPack."""
-    if not available():
-        return None
-    spk = _import_schnetpack()
-    return _model(spk), schnetpack_step, _system(0), _system(1), list(TERMS)
