@@ -109,7 +109,7 @@ def _dumps(d: Any) -> str:
         ("[1, 2]", "not a gradprobe flow map: a flow map is a JSON object, got a list"),
         ("{}", "not a gradprobe flow map: schema is null"),
         ('{"schema": "something/1"}', "not a gradprobe flow map: schema is 'something/1'"),
-        ('{"schema": 1}', r"not a gradprobe flow map: schema is a number \(1\)"),
+        ('{"schema": 1}', "not a gradprobe flow map: schema is a number, expected 'gradprobe.flowmap/1'"),
         ('{"schema": "gradprobe.flowmap/0"}', "not a gradprobe flow map"),
         ('{"schema": "gradprobe.flowmap/2"}', "not supported by this gradprobe .*newer gradprobe; upgrade"),
         ('{"schema": "gradprobe.flowmap/17", "cells": 5}', "not supported by this gradprobe"),
@@ -529,14 +529,13 @@ def test_cli_reads_good_files(saved, good, capsys):
 
 
 def test_the_reader_does_not_import_anything_that_deserialises_objects():
-    for module in (FlowMap.__module__, "gradprobe.flowmap_read"):
-        source = Path(sys.modules[module].__file__).read_text()
-        imports = re.findall(r"^\s*(?:from|import) ([\w.]+)", source, flags=re.MULTILINE)
-        assert set(imports) <= {"__future__", "json", "math", "os", "collections", "collections.abc", "dataclasses",
-                                "functools", "itertools", "operator", "pathlib", "typing", "msgspec", "msgspec.inspect",
-                                ".compare", ".errors", ".status", ".flowmap", ".flowmap_read"}, imports  # fmt: skip
-        for call in ("pickle.", "torch.load", "marshal.", "eval(", "exec(", "__import__"):
-            assert call not in source, call
+    source = Path(sys.modules[FlowMap.__module__].__file__).read_text()
+    imports = re.findall(r"^\s*(?:from|import) ([\w.]+)", source, flags=re.MULTILINE)
+    assert set(imports) <= {"__future__", "json", "math", "os", "collections", "collections.abc", "dataclasses",
+                            "functools", "itertools", "operator", "pathlib", "typing", "msgspec", "msgspec.inspect",
+                            ".compare", ".errors", ".status"}, imports  # fmt: skip
+    for call in ("pickle.", "torch.load", "marshal.", "eval(", "exec(", "__import__"):
+        assert call not in source, call
 
 
 # ---------------------------------------------------------------------------- control characters

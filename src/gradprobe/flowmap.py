@@ -3,7 +3,7 @@
 Every later stage (checks, locate, bisect, diagnose, reports) reads it. It holds no tensors and no
 references to the model; ``to_json`` saves it, ``from_json`` reads it back equal (docs/flowmap-schema.md).
 The records are frozen msgspec Structs: made ten times faster than frozen dataclasses (a large model's
-probe makes tens of thousands of cells), and the types a saved map is decoded into (flowmap_read.py).
+probe makes tens of thousands of cells), and the types a saved map, untrusted input, is decoded into.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
-from functools import cached_property
+from collections import Counter
+from collections.abc import Callable, Mapping
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect as mi
 
-from .errors import did_you_mean
+from .errors import FlowMapFormatError, did_you_mean
 from .status import NONZERO
 
 SCHEMA = "gradprobe.flowmap/1"
@@ -55,12 +57,11 @@ class RunError(msgspec.Struct, frozen=True):
     stage: str  # build | trace | compile | forward | backward | reduce
     type: str
     message: str
-    # The user's frame the failure came from: {file, line, code, function} (the innermost frame
-    # outside torch and gradprobe, or the "from user code" frame dynamo names), None if unknown;
-    # with ``object_type`` when that frame is a method (the type of its ``self``).
+    # The user's frame the failure came from: {file, line, code, function}, plus ``object_type`` for a
+    # method (the innermost frame outside torch and gradprobe, or the one dynamo names), None if unknown.
     where: dict[str, Any] | None = None
-    # The innermost traceback frames, torch's included ("runtime_wrappers.py:2489 in
-    # coerce_to_expected_memory_format"), innermost last: what a failure signature is read from.
+    # The innermost traceback frames, torch's included ("runtime_wrappers.py:2489 in coerce_to_...");
+    # innermost last: what a failure signature is read from.
     frames: tuple[str, ...] = ()
 
 
@@ -95,10 +96,8 @@ class Run(msgspec.Struct, frozen=True):
 
 
 class Cell(msgspec.Struct, frozen=True, gc=False):
-    """The gradient of one parameter in one run. ``norm`` is the L1 norm (None when status is none).
-
-    ``rel_error`` and ``verdict`` compare it with the reference variant's cell (None in the reference).
-    """
+    """The gradient of one parameter in one run. ``norm`` is the L1 norm (None when status is none);
+    ``rel_error`` and ``verdict`` compare it with the reference variant's cell (None in the reference)."""
 
     variant: str
     scenario: str
@@ -247,8 +246,7 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
         return 1 if self.errors() else 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The map as JSON values (records as objects, tuples as lists), non-finite numbers as the
-        strings "nan", "inf", "-inf": strict JSON has none."""
+        """The map as JSON values; non-finite numbers as "nan", "inf", "-inf" (strict JSON has none)."""
         d = _json_safe(self)
         return {"schema": d.pop("schema"), "gradprobe_version": d.pop("gradprobe_version"), **d}
 
@@ -264,9 +262,7 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
         """A flow map from its ``to_dict()`` form, validated. Anything else (another schema, a newer
         version, a missing field, a value of the wrong type anywhere, nesting deeper than ``MAX_DEPTH``)
         raises one ``FlowMapFormatError`` naming the field. Unknown fields are ignored (later versions add)."""
-        from .flowmap_read import from_data
-
-        return from_data(d)
+        return _from_data(d)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike[str], *, max_bytes: int | None = None) -> FlowMap:
@@ -274,9 +270,18 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
         unpickled or imported. A file larger than ``max_bytes`` (default ``MAX_BYTES``, 256 MiB, or the
         environment variable ``GRADPROBE_FLOWMAP_MAX_BYTES``) is refused before it is read. Every problem
         raises one ``FlowMapFormatError``; for a file, its message starts with the file's path."""
-        from .flowmap_read import from_json
-
-        return from_json(source, max_bytes)
+        if not isinstance(source, str | os.PathLike):
+            raise FlowMapFormatError(f"from_json takes JSON text or a path, got {type(source).__name__}")
+        limit = _max_bytes(max_bytes)
+        if isinstance(source, os.PathLike) or source.lstrip()[:1] not in ("{", "["):
+            path = Path(source)
+            try:  # the text is freed before the map is built
+                return _from_data(_parse(_read_text(path, limit)))
+            except FlowMapFormatError as e:
+                raise FlowMapFormatError(f"{path}: {e}") from None
+        if len(source) > limit:
+            raise FlowMapFormatError(_too_large("the JSON text", len(source), limit))
+        return _from_data(_parse(source))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FlowMap):
@@ -294,3 +299,286 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_json_safe(v) for v in x]
     return x
+
+
+# ----- reading saved maps, which are untrusted input ----------------------------------------------
+# First what a typed decoder does not do: the size limit before reading, binary files refused unread,
+# a density check before parsing, nesting and numbers, the schema and its version. msgspec then decodes
+# the data into FlowMap strictly (a string is never a number); last, what the fields must agree on.
+
+_SCHEMA_NAME, _VERSION = SCHEMA.rsplit("/", 1)
+
+
+def _malformed(what: str) -> FlowMapFormatError:
+    return FlowMapFormatError(f"malformed flow map: {what}")
+
+
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+               dict: "an object", list: "a list"}  # fmt: skip
+
+
+def _from_data(d: Any) -> FlowMap:
+    if not isinstance(d, Mapping):
+        got = _JSON_TYPES.get(type(d), type(d).__name__)
+        raise FlowMapFormatError(f"not a gradprobe flow map: a flow map is a JSON object, got {got}")
+    _check_schema(d.get("schema"))
+    # Cells, most of a map, are records all through: nothing free-form to nest in.
+    _check_depth({k: v for k, v in d.items() if k != "cells"})
+    try:
+        fm = _convert(_floats_back(dict(d)), FlowMap)
+        for i, v in enumerate(fm.variants):
+            _convert(v.second_batch, _SecondBatch | None, f"variants[{i}].second_batch")
+        for i, f in enumerate(fm.findings):
+            _convert(f.location, _Location | None, f"findings[{i}].location")
+    except (TypeError, ValueError, RecursionError) as e:  # not expected: still the one error type
+        raise _malformed(f"{type(e).__name__}: {e}") from None
+    _check_consistency(fm)
+    return fm
+
+
+# The documented shape of two free-form parts that renderers read by key (checked; they stay dicts).
+class _SecondBatch(msgspec.Struct):  # VariantInfo.second_batch
+    scenario: str
+    mismatched: list[str]
+    error: str | None = None
+    max_rel_error: float | None = None
+    term_values: dict[str, dict[str, float | None]] = {}  # {term: {"variant": x, "reference": y}}
+
+
+class _Location(msgspec.Struct):  # Finding.location: where in the model, or which modules
+    file: str | None = None
+    line: Count | None = None
+    module: str | None = None
+    module_type: str | None = None
+    code: str | None = None
+    modules: list[str] = []
+
+
+def _convert(data: Any, shape: Any, where: str = "") -> Any:
+    """msgspec's "Expected `str`, got `int` - at `$.cells[0].parameter`" said as ours:
+    "malformed flow map: cells[0].parameter: expected `str`, got `int`"."""
+    try:
+        return msgspec.convert(data, shape, strict=True)
+    except msgspec.ValidationError as e:
+        text, _, at = str(e).partition(" - at ")
+    at = at.replace("$", where) if where else at  # "$": what was converted, the map or the part at where
+    at = at.replace("`", "").replace("$.", "").replace("$", "") or where or "the flow map"
+    if text.startswith("Object missing required field"):
+        raise _malformed(f"{at} has no field {text.split('`')[1]!r}") from None
+    if "float" in text and text.endswith("got `str`"):
+        text += ' (non-finite numbers are written "nan", "inf", "-inf")'
+    raise _malformed(f"{at}: {text[:1].lower()}{text[1:]}") from None
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _float_back(x: Any) -> Any:
+    return _NONFINITE.get(x, x) if type(x) is str else x
+
+
+def _decode_nonfinite(x: Any) -> Any:
+    return _NONFINITE.get(x, x) if type(x) is str else _in(x, _decode_nonfinite)
+
+
+def _in(x: Any, read: Callable[[Any], Any] | dict[str, Callable[[Any], Any]]) -> Any:
+    """``x`` with ``read`` applied to each value in it (a dict or list), or, ``read`` being the readers
+    of some fields by name, to those; ``x`` itself when that changed none (cells are not copied)."""
+    out = x
+    for k, v in x.items() if type(x) is dict else enumerate(x) if type(x) is list else ():
+        each = read.get(k) if isinstance(read, dict) else read
+        if each is not None and (new := each(v)) is not v:
+            out = (dict(x) if type(x) is dict else list(x)) if out is x else out
+            out[k] = new
+    return out  # not a container: msgspec names what it is
+
+
+def _reader(t: mi.Type) -> Callable[[Any], Any] | None:
+    """What puts the floats back in a value of type ``t``: in its float places and free-form data,
+    found from the records' types (a string elsewhere stays a string); None where there are none."""
+    if isinstance(t, mi.FloatType):
+        return _float_back
+    if isinstance(t, mi.AnyType):
+        return _decode_nonfinite
+    if isinstance(t, mi.UnionType):  # ours are "X | None"
+        return next(filter(None, map(_reader, t.types)), None)
+    if isinstance(t, mi.DictType | mi.VarTupleType | mi.ListType):
+        each = _reader(t.value_type if isinstance(t, mi.DictType) else t.item_type)
+        return None if each is None else partial(_in, read=each)
+    if isinstance(t, mi.StructType):
+        fields = {f.encode_name: r for f in t.fields if (r := _reader(f.type)) is not None}
+        return partial(_in, read=fields) if fields else None
+    return None
+
+
+_floats_back = _reader(mi.type_info(FlowMap)) or _decode_nonfinite
+
+
+def _check_schema(schema: Any) -> None:
+    if schema == SCHEMA:
+        return
+    name, _, version = schema.rpartition("/") if isinstance(schema, str) else ("", "", "")
+    if name == _SCHEMA_NAME and version.isdigit() and len(version) < 10 and int(version) > int(_VERSION):
+        raise FlowMapFormatError(
+            f"flow map schema {schema!r} is not supported by this gradprobe (reads {SCHEMA!r}): "
+            "it was written by a newer gradprobe; upgrade gradprobe to read it (pip install -U gradprobe)"
+        )
+    shown = (
+        repr(schema[:60]) if isinstance(schema, str) else _JSON_TYPES.get(type(schema), type(schema).__name__)
+    )
+    raise FlowMapFormatError(f"not a gradprobe flow map: schema is {shown}, expected {SCHEMA!r}")
+
+
+def _check_depth(data: Any) -> None:
+    """Refuse nesting deeper than MAX_DEPTH: msgspec keeps free-form data as it is. Walked without
+    recursion, holding one iterator per level."""
+    stack = [iter((data,))]
+    while stack:
+        for x in stack[-1]:
+            children = x.values() if isinstance(x, Mapping) else x if isinstance(x, list | tuple) else ()
+            if children:
+                if len(stack) >= MAX_DEPTH:  # gradprobe writes fewer than 10
+                    raise _malformed(f"nested more than {MAX_DEPTH} levels deep")
+                stack.append(iter(children))
+                break
+        else:
+            stack.pop()
+
+
+# What parsing may take, per JSON value, at most: a list (header and spare room), a dict (header and its
+# first entries), a dict entry, a list slot with a float, a string not a key (json keeps each key once).
+# A map gradprobe writes comes to 4-7x its size by this count; 20 MB of "[]," would take 1.2 GB (41x).
+MAX_PARSE_FACTOR = 9  # above it, the text is refused before it is parsed
+_DENSITY_FROM = 64 * 1024  # below this, whatever the parse takes is small
+
+
+def _check_density(text: str) -> None:
+    n = len(text)
+    if n < _DENSITY_FROM:
+        return
+    keys = text.count('":')
+    strings = max(text.count('"') // 2 - keys, 0)
+    estimate = 72 * text.count("[") + 160 * text.count("{") + 16 * text.count(":") + 32 * text.count(",")
+    estimate += 60 * strings + 8 * keys
+    if estimate > MAX_PARSE_FACTOR * n:
+        raise _malformed(
+            f"too many values for its size ({n:,} bytes holding values that would take "
+            f"about {estimate / n:.0f}x that to read; gradprobe writes maps that take under "
+            f"{MAX_PARSE_FACTOR}x): not read"
+        )
+
+
+def _parse(text: str) -> Any:
+    if not text.strip():
+        raise FlowMapFormatError("flow map is not valid JSON: it is empty (truncated or never written?)")
+    _check_density(text)
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+    except json.JSONDecodeError as e:
+        if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string"):
+            raise FlowMapFormatError(
+                f"flow map is not valid JSON: truncated, it ends before the JSON is complete ({e})"
+            ) from None
+        raise FlowMapFormatError(f"flow map is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _malformed(f"nested too deeply to parse (more than {MAX_DEPTH} levels is refused)") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise _malformed(f"a number too large to read ({e})") from None
+
+
+def _finite(literal: str) -> float:
+    """A JSON number as a float; one such as 1e999 would be an infinity, which JSON has not."""
+    if math.isinf(value := float(literal)):
+        raise _malformed(f"a number beyond the float range ({literal[:40]})")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise FlowMapFormatError(
+        f"flow map is not valid JSON: {name} is not a JSON value (flow maps write non-finite numbers as "
+        'the strings "nan", "inf", "-inf")'
+    )
+
+
+def _check_consistency(fm: FlowMap) -> None:
+    """What readers rely on and gradprobe writes: unique names, scenarios of declared terms, a known
+    reference, one run per (variant, scenario) and no other."""
+    for kind, names in (("term", fm.terms), ("variant", fm.variant_names), ("scenario", fm.scenario_names)):
+        if twice := next((n for n, k in Counter(names).items() if k > 1), None):
+            raise _malformed(f"{kind} {twice[:60]!r} appears twice")
+    terms, variants, scenarios = set(fm.terms), set(fm.variant_names), set(fm.scenario_names)
+    for s in fm.scenarios:
+        if unknown := [t for t in s.terms if t not in terms]:
+            raise _malformed(f"scenario {s.name[:60]!r} switches on {unknown[0][:60]!r}, which is not a term")
+    if fm.scenarios and fm.reference not in variants:
+        raise _malformed(f"the reference variant {fm.reference[:60]!r} is not among the variants")
+    runs = Counter((r.variant, r.scenario) for r in fm.runs)
+    for (v, s), k in runs.items():
+        at = f"variant {v[:60]!r}, scenario {s[:60]!r}"
+        if v not in variants or s not in scenarios:
+            raise _malformed(f"a run of {at}, which the flow map does not declare")
+        if k > 1:
+            raise _malformed(f"two runs of {at}")
+    if len(runs) != len(variants) * len(scenarios):
+        v, s = next((v, s) for v in fm.variant_names for s in fm.scenario_names if (v, s) not in runs)
+        raise _malformed(f"no run of variant {v[:60]!r}, scenario {s[:60]!r}")
+
+
+def _max_bytes(given: int | None) -> int:
+    if given is None:
+        env = os.environ.get(MAX_BYTES_ENV, "").strip()
+        if env and (not env.isdecimal() or int(env) <= 0):
+            raise FlowMapFormatError(f"{MAX_BYTES_ENV} must be a positive number of bytes, got {env[:40]!r}")
+        return int(env) if env else MAX_BYTES
+    if isinstance(given, bool) or not isinstance(given, int) or given <= 0:
+        raise FlowMapFormatError(f"max_bytes must be a positive integer, got {given!r}")
+    return given
+
+
+def _too_large(what: str, size: int, limit: int) -> str:
+    return (
+        f"{what} is {size:,} bytes, over the limit of {limit:,} bytes ({limit / 2**20:.0f} MiB) for a flow "
+        f"map: not read. If you trust it, raise the limit: FlowMap.from_json(..., max_bytes=N) or the "
+        f"environment variable {MAX_BYTES_ENV}=N"
+    )
+
+
+_BINARY = {b"PK\x03\x04": "a zip archive (torch.save writes these)", b"\x80": "a Python pickle",
+           b"\x93NUMPY": "a NumPy array", b"\x89HDF": "an HDF5 file"}  # fmt: skip
+
+
+def _read_text(path: Path, limit: int) -> str:
+    """The file's text (its bytes are freed on return), refused unread when over ``limit`` bytes."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise FlowMapFormatError(_too_large("the file", size, limit))
+            # A pipe or a device reports no size: read in pieces, no further than allowed (one read
+            # of limit + 1 bytes would reserve all of it at once).
+            data = f.read(size + 1) if size else _read_pieces(f, limit + 1)
+    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL character in the path
+        raise FlowMapFormatError(f"cannot read flow map: {getattr(e, 'strerror', None) or e}") from None
+    if len(data) > limit:
+        raise FlowMapFormatError(_too_large("the file", len(data), limit))
+    for magic, kind in _BINARY.items():
+        if data.startswith(magic):
+            raise FlowMapFormatError(
+                f"not a gradprobe flow map: this is {kind}, not JSON. gradprobe reads flow maps as JSON only "
+                "and never unpickles or loads files (write one with --json or FlowMap.to_json)"
+            )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise FlowMapFormatError(
+            f"not a gradprobe flow map: not UTF-8 text (byte {e.start}), so not JSON; flow maps are JSON "
+            "files written with --json or FlowMap.to_json"
+        ) from None
+
+
+def _read_pieces(f: Any, most: int) -> bytes:
+    pieces, total = [], 0
+    while total < most and (piece := f.read(min(2**20, most - total))):
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
