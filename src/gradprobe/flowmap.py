@@ -1,10 +1,9 @@
 """The flow map: status and norm of every (variant, scenario, parameter), as plain, versioned data.
 
-Every later stage (checks, locate, bisect, diagnose, reports) reads it. It holds no tensors and no
-references to the model; ``to_json`` saves it, ``from_json`` reads it back equal (docs/flowmap-schema.md).
-The records are frozen msgspec Structs: made ten times faster than frozen dataclasses (a large model's
-probe makes tens of thousands of cells), and the types a saved map, untrusted input, is decoded into.
-"""
+Every later stage (checks, locate, bisect, diagnose, reports) reads it; it holds no tensors and no model.
+``to_json`` saves it, ``from_json`` reads it back equal (docs/flowmap-schema.md). The records are frozen
+msgspec Structs: made ten times faster than frozen dataclasses (a probe makes thousands of cells), and
+the types a saved map, untrusted input, is decoded into."""
 
 from __future__ import annotations
 
@@ -28,10 +27,6 @@ MAX_BYTES = 256 * 2**20  # about a million cells (50,000 parameter tensors x 20 
 MAX_BYTES_ENV = "GRADPROBE_FLOWMAP_MAX_BYTES"
 MAX_DEPTH = 64  # gradprobe writes at most about 8 levels; deeper input would only strain recursion
 
-Status = Literal["none", "zero", "nonzero", "nan", "inf"]  # status.STATUSES
-Verdict = Literal["match", "missing", "extra", "wrong"]  # compare.VERDICTS
-Severity = Literal["error", "warning", "info"]
-Mode = Literal["terms", "weights"]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # sizes and counts: int64 in torch
 
 
@@ -102,17 +97,17 @@ class Cell(msgspec.Struct, frozen=True, gc=False):
     variant: str
     scenario: str
     parameter: str
-    status: Status
+    status: Literal["none", "zero", "nonzero", "nan", "inf"]  # status.STATUSES
     norm: float | None
     rel_error: float | None = None
-    verdict: Verdict | None = None
+    verdict: Literal["match", "missing", "extra", "wrong"] | None = None  # compare.VERDICTS
 
 
 class Finding(msgspec.Struct, frozen=True):
     """One diagnosed problem: a cause from the catalogue, its evidence, where it is, and the fix."""
 
     cause: str
-    severity: Severity
+    severity: Literal["error", "warning", "info"]
     message: str
     evidence: dict[str, Any] = {}
     location: dict[str, Any] | None = None
@@ -127,7 +122,7 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
     torch_version: str
     device: str
     dtype: str
-    mode: Mode
+    mode: Literal["terms", "weights"]
     terms: tuple[str, ...]
     scenarios: tuple[ScenarioInfo, ...]
     variants: tuple[VariantInfo, ...]
@@ -187,8 +182,7 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
         raise KeyError(f"no variant {name!r}{did_you_mean(name, self.variant_names)}")
 
     def run(self, variant: str, scenario: str) -> Run:
-        found = self._runs.get((variant, scenario))
-        if found is None:
+        if (found := self._runs.get((variant, scenario))) is None:
             raise KeyError(f"no run for variant {variant!r}, scenario {scenario!r}")
         return found
 
@@ -259,29 +253,27 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FlowMap:
-        """A flow map from its ``to_dict()`` form, validated. Anything else (another schema, a newer
-        version, a missing field, a value of the wrong type anywhere, nesting deeper than ``MAX_DEPTH``)
-        raises one ``FlowMapFormatError`` naming the field. Unknown fields are ignored (later versions add)."""
+        """A flow map from its ``to_dict()`` form, checked as ``from_json`` checks it. Fields this version
+        does not know are ignored (later versions only add fields)."""
         return _from_data(d)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike[str], *, max_bytes: int | None = None) -> FlowMap:
-        """Read a flow map from JSON text or from a file path. Only JSON is ever parsed, nothing is
-        unpickled or imported. A file larger than ``max_bytes`` (default ``MAX_BYTES``, 256 MiB, or the
-        environment variable ``GRADPROBE_FLOWMAP_MAX_BYTES``) is refused before it is read. Every problem
-        raises one ``FlowMapFormatError``; for a file, its message starts with the file's path."""
+        """Read a flow map from JSON text or from a file path: only JSON is ever parsed. A file larger than
+        ``max_bytes`` (default ``MAX_BYTES``, 256 MiB, or ``$GRADPROBE_FLOWMAP_MAX_BYTES``) is refused
+        unread. Another schema, a newer version, a missing field, a value of the wrong type anywhere,
+        nesting deeper than ``MAX_DEPTH``: one ``FlowMapFormatError`` naming the place (and the file)."""
         if not isinstance(source, str | os.PathLike):
             raise FlowMapFormatError(f"from_json takes JSON text or a path, got {type(source).__name__}")
         limit = _max_bytes(max_bytes)
-        if isinstance(source, os.PathLike) or source.lstrip()[:1] not in ("{", "["):
-            path = Path(source)
-            try:  # the text is freed before the map is built
-                return _from_data(_parse(_read_text(path, limit)))
-            except FlowMapFormatError as e:
-                raise FlowMapFormatError(f"{path}: {e}") from None
-        if len(source) > limit:
-            raise FlowMapFormatError(_too_large("the JSON text", len(source), limit))
-        return _from_data(_parse(source))
+        if isinstance(source, str) and source.lstrip()[:1] in ("{", "["):
+            if len(source) > limit:
+                raise FlowMapFormatError(_too_large("the JSON text", len(source), limit))
+            return _from_data(_parse(source))
+        try:  # the file's text is freed before the map is built
+            return _from_data(_parse(_read_text(Path(source), limit)))
+        except FlowMapFormatError as e:
+            raise FlowMapFormatError(f"{Path(source)}: {e}") from None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FlowMap):
@@ -361,8 +353,9 @@ def _convert(data: Any, shape: Any, where: str = "") -> Any:
         return msgspec.convert(data, shape, strict=True)
     except msgspec.ValidationError as e:
         text, _, at = str(e).partition(" - at ")
-    at = at.replace("$", where) if where else at  # "$": what was converted, the map or the part at where
-    at = at.replace("`", "").replace("$.", "").replace("$", "") or where or "the flow map"
+    # "$" stands for what was converted: the whole map, or the part at ``where``.
+    at = at.replace("`", "").replace("$", where or "$").replace("$.", "").replace("$", "")
+    at = at or where or "the flow map"
     if text.startswith("Object missing required field"):
         raise _malformed(f"{at} has no field {text.split('`')[1]!r}") from None
     if "float" in text and text.endswith("got `str`"):
@@ -394,8 +387,8 @@ def _in(x: Any, read: Callable[[Any], Any] | dict[str, Callable[[Any], Any]]) ->
 
 
 def _reader(t: mi.Type) -> Callable[[Any], Any] | None:
-    """What puts the floats back in a value of type ``t``: in its float places and free-form data,
-    found from the records' types (a string elsewhere stays a string); None where there are none."""
+    """What puts the floats back in a value of type ``t``, in its float places and free-form data (a
+    string elsewhere stays a string); None where it has neither."""
     if isinstance(t, mi.FloatType):
         return _float_back
     if isinstance(t, mi.AnyType):
@@ -430,8 +423,7 @@ def _check_schema(schema: Any) -> None:
 
 
 def _check_depth(data: Any) -> None:
-    """Refuse nesting deeper than MAX_DEPTH: msgspec keeps free-form data as it is. Walked without
-    recursion, holding one iterator per level."""
+    """Refuse nesting deeper than MAX_DEPTH (msgspec keeps free-form data as it is), without recursion."""
     stack = [iter((data,))]
     while stack:
         for x in stack[-1]:
