@@ -5,9 +5,9 @@ packages where no small model shows it are in tests/test_real_packages.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
+import msgspec
 import torch
 from donation import donation
 from torch import nn
@@ -156,7 +156,7 @@ def test_backend_drops_grads_never_claims_a_difference_on_runs_that_raised():
         "fix": None, "summary": "", "trials": [],
         "culprit": {"knob": "backend", "backend": "the path's own backend", "last_good": "eager", "ladder": True},
     }  # fmt: skip
-    findings = diagnose(dataclasses.replace(fm, bisections=(bisection,)))
+    findings = diagnose(msgspec.structs.replace(fm, bisections=(bisection,)))
     assert "backend-drops-grads" not in {f.cause for f in findings}
     assert "double-backward-unsupported" in {f.cause for f in findings}
 
@@ -183,7 +183,8 @@ def test_a_donation_finding_without_a_measurement_says_how_to_measure_it() -> No
     err = RunError("forward", "RuntimeError", "This backward function was compiled with non-empty donated "
                    "buffers which requires create_graph=False and retain_graph=False.")  # fmt: skip
     runs = tuple(
-        dataclasses.replace(r, error=err) if r.variant == "compile_model:aot_eager" else r for r in fm.runs
+        msgspec.structs.replace(r, error=err) if r.variant == "compile_model:aot_eager" else r
+        for r in fm.runs
     )
-    (f,) = [f for f in diagnose(dataclasses.replace(fm, runs=runs)) if f.cause == "donated-buffers"]
+    (f,) = [f for f in diagnose(msgspec.structs.replace(fm, runs=runs)) if f.cause == "donated-buffers"]
     assert "add the variant compile_model:aot_eager[donated_buffer=false]" in f.fix

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
+import msgspec
 import pytest
 
 from gradprobe.cli import main
@@ -61,18 +61,20 @@ def test_identical_runs_exit_0(maps, capsys):
 
 def replace_cells(fm: FlowMap, *, where, how) -> FlowMap:
     """``fm`` with each cell for which ``where(cell)`` holds replaced by ``how(cell)``."""
-    return dataclasses.replace(fm, cells=tuple(how(c) if where(c) else c for c in fm.cells))
+    return msgspec.structs.replace(fm, cells=tuple(how(c) if where(c) else c for c in fm.cells))
 
 
 def test_none_and_zero_are_the_same_flow_but_norms_are_info_only(maps):
     fm = FlowMap.from_json(maps["clean"])
     zeros = replace_cells(
-        fm, where=lambda c: c.status == "none", how=lambda c: dataclasses.replace(c, status="zero", norm=0.0)
+        fm,
+        where=lambda c: c.status == "none",
+        how=lambda c: msgspec.structs.replace(c, status="zero", norm=0.0),
     )
     d = diff_maps(fm, zeros)
     assert not d.changed and d.render() == "flow unchanged\n"
     scaled = replace_cells(
-        fm, where=lambda c: c.norm, how=lambda c: dataclasses.replace(c, norm=c.norm * 1.5)
+        fm, where=lambda c: c.norm, how=lambda c: msgspec.structs.replace(c, norm=c.norm * 1.5)
     )
     d = diff_maps(fm, scaled)
     assert not d.changed and len(d.norms) == sum(bool(c.norm) for c in fm.cells)
@@ -80,7 +82,7 @@ def test_none_and_zero_are_the_same_flow_but_norms_are_info_only(maps):
     nan = replace_cells(
         fm,
         where=lambda c: c.parameter == "fitting.out.weight",
-        how=lambda c: dataclasses.replace(c, status="nan"),
+        how=lambda c: msgspec.structs.replace(c, status="nan"),
     )
     d = diff_maps(fm, nan)
     assert d.changed and {(c.status_before, c.status_after) for c in d.cells} == {("nonzero", "nan")}
@@ -88,11 +90,12 @@ def test_none_and_zero_are_the_same_flow_but_norms_are_info_only(maps):
 
 def test_verdicts_and_added_or_removed_names(maps):
     fm = FlowMap.from_json(maps["clean"])
-    two = dataclasses.replace(
+    two = msgspec.structs.replace(
         fm,
-        variants=(*fm.variants, dataclasses.replace(fm.variants[0], name="make_fx")),
-        runs=fm.runs + tuple(dataclasses.replace(r, variant="make_fx") for r in fm.runs),
-        cells=fm.cells + tuple(dataclasses.replace(c, variant="make_fx", verdict="match") for c in fm.cells),
+        variants=(*fm.variants, msgspec.structs.replace(fm.variants[0], name="make_fx")),
+        runs=fm.runs + tuple(msgspec.structs.replace(r, variant="make_fx") for r in fm.runs),
+        cells=fm.cells
+        + tuple(msgspec.structs.replace(c, variant="make_fx", verdict="match") for c in fm.cells),
     )
     d = diff_maps(fm, two)
     assert d.changed and d.added["variants"] == ("make_fx",) and not d.cells
@@ -100,12 +103,12 @@ def test_verdicts_and_added_or_removed_names(maps):
     wrong = replace_cells(
         two,
         where=lambda c: c.variant == "make_fx" and c.parameter == "energy_shift" and c.scenario == "all",
-        how=lambda c: dataclasses.replace(c, verdict="wrong"),
+        how=lambda c: msgspec.structs.replace(c, verdict="wrong"),
     )
     d = diff_maps(two, wrong)
     assert d.changed and [c.parameter for c in d.cells] == ["energy_shift"]
     assert "make_fx, all, energy_shift: verdict match -> wrong" in d.render()
-    fewer = dataclasses.replace(fm, parameters=fm.parameters[:-1])
+    fewer = msgspec.structs.replace(fm, parameters=fm.parameters[:-1])
     assert diff_maps(fm, fewer).removed["parameters"] == ("aux_head.bias",)
 
 

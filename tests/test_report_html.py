@@ -4,7 +4,6 @@ Chromium is installed (CI installs it), on the DOM that headless Chromium dumps 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import re
@@ -13,6 +12,7 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -195,14 +195,14 @@ def test_checks_and_training_curves(makefx_map):
         "steps": 2, "optimizer": "Adam", "curves": curves, "divergence_from_reference": {"make_fx": 0.1},
         "verdicts": {"eager": {"energy": "decreases", "force": "decreases"}, "make_fx": {"energy": "decreases"}},
     }  # fmt: skip
-    page = render_html(dataclasses.replace(makefx_map, checks={"training": training}))
+    page = render_html(msgspec.structs.replace(makefx_map, checks={"training": training}))
     section = page.split('id="checks"')[1].split("</section>")[0]
     assert "training (2 Adam steps per term, on a copy):" in section  # the terminal's check lines
     assert section.count("<figure") == 2 and section.count("<polyline") == 4  # force: a gap at nan
     assert "eager: decreases" in section
-    only_curves = render_html(dataclasses.replace(makefx_map, checks={"training": {"curves": curves}}))
+    only_curves = render_html(msgspec.structs.replace(makefx_map, checks={"training": {"curves": curves}}))
     assert only_curves.count("<polyline") == 4  # rendered generically from curves alone
-    other = render_html(dataclasses.replace(makefx_map, checks={"training": {"passed": True}}))
+    other = render_html(msgspec.structs.replace(makefx_map, checks={"training": {"passed": True}}))
     assert 'id="checks"' not in other
 
 
@@ -427,7 +427,7 @@ def test_curves_of_a_variant_that_never_ran_and_a_single_value(makefx_map):
         "verdicts": {"eager": {"energy": "flat"}, "broken": {"energy": "error"}, "nan": {"energy": "error"}},
         "errors": {"broken": {"energy": "RuntimeError: build: boom"}},
     }
-    fm = dataclasses.replace(makefx_map, checks={"training": training})
+    fm = msgspec.structs.replace(makefx_map, checks={"training": training})
     page = render_html(fm)
     assert page == render_html(fm)  # deterministic
     chart = section_of(page, "checks").split('id="training"')[1]

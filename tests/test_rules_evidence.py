@@ -77,11 +77,11 @@ def test_backend_drops_grads_needs_gradients_measured_to_differ():
                                    "ok": False, "result": "backward: RuntimeError: boom"}],
         "culprit": {"knob": "backend", "backend": "aot_eager", "last_good": "eager", "ladder": True},
     }  # fmt: skip
-    import dataclasses
+    import msgspec
 
     assert not [
         f
-        for f in diagnose(dataclasses.replace(fm, bisections=(bisection,)))
+        for f in diagnose(msgspec.structs.replace(fm, bisections=(bisection,)))
         if f.cause == "backend-drops-grads"
     ]
 

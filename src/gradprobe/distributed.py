@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -734,12 +735,21 @@ def merge_maps(
     checks = dict(base.checks)
     checks["distributed"] = detail
     variants = tuple(
-        replace(v, seconds=max(m.variant(v.name).seconds for m in maps)) if isinstance(v, VariantInfo) else v
+        msgspec.structs.replace(v, seconds=max(m.variant(v.name).seconds for m in maps))
+        if isinstance(v, VariantInfo)
+        else v
         for v in base.variants
     )
     warnings = tuple(dict.fromkeys(w for m in maps for w in m.warnings))
-    merged = replace(base, runs=tuple(runs), cells=tuple(cells), checks=checks, variants=variants,
-                     warnings=warnings, findings=())  # fmt: skip
+    merged = msgspec.structs.replace(
+        base,
+        runs=tuple(runs),
+        cells=tuple(cells),
+        checks=checks,
+        variants=variants,
+        warnings=warnings,
+        findings=(),
+    )
     own = distributed_findings(merged)
     covered = {p for f in own if f.cause == GLOBALLY_UNUSED for p in f.evidence.get("parameters", ())}
     generic = [
@@ -748,7 +758,7 @@ def merge_maps(
         if not (f.cause == "unused-parameter" and set(f.evidence.get("parameters", ())) <= covered)
     ]
     findings = sorted([*own, *generic], key=lambda f: _SEVERITY_ORDER[f.severity])
-    return replace(merged, findings=tuple(findings))
+    return msgspec.structs.replace(merged, findings=tuple(findings))
 
 
 def _rank_detail(maps: Sequence[FlowMap]) -> dict[str, Any]:

@@ -7,9 +7,10 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from . import __version__
@@ -25,17 +26,7 @@ from .evidence import compiler_passes
 from .evidence.anomaly import with_double_backward_frames
 from .evidence.dynamo_events import Watch
 from .evidence.graphlint import lint
-from .flowmap import (
-    CellBlock,
-    Cells,
-    FlowMap,
-    Run,
-    ScenarioInfo,
-    VariantInfo,
-    flow_map,
-    make_run,
-    parameter_infos,
-)
+from .flowmap import Cell, FlowMap, ParameterInfo, Run, ScenarioInfo, VariantInfo
 from .measure import Measurement, per_scenario, per_term
 from .progress import reporting, stage
 from .rng import reseed
@@ -284,7 +275,7 @@ def _run_probe(
                 )
             for m in measured:
                 if m.info.name in second:
-                    m.info = replace(m.info, second_batch=second[m.info.name])
+                    m.info = msgspec.structs.replace(m.info, second_batch=second[m.info.name])
         trainable_names = [n for n, _ in trainable]
         if len(measured) > 1:
             results_of_checks["consistency"] = consistency_report(
@@ -356,11 +347,8 @@ def _run_probe(
         spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype,
         bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence,
     )  # fmt: skip
-    # The findings are the map's own reading of itself: set on the map just built, which no one
-    # else holds yet, instead of a second copy of every field (its indexes, built by the
-    # detectors, are kept).
-    object.__setattr__(fm, "findings", tuple(diagnose(fm)))
-    return fm
+    # The findings are the map's own reading of itself: a copy of the map with them.
+    return msgspec.structs.replace(fm, findings=tuple(diagnose(fm)))
 
 
 def _isolated(variant: VariantSpec, alone: bool) -> contextlib.AbstractContextManager[Any]:
@@ -625,43 +613,42 @@ def _flow_map(
     ref_norms_of = {m.scenario: m.norms for x in measured if x.info.name == ref_name for m in x.results}
     numels: list[int] | None = None  # listed on first use: only a compared run needs them
     runs: list[Run] = []
-    # The cells as columns, run by run (flowmap.Cells): Cell objects are made only when asked for.
-    blocks: list[CellBlock] = []
+    cells: list[Cell] = []
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
         for m in x.results:
-            run = make_run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds,
-                           m.compiled_graphs, m.grad_cosine, m.grad_scale, m.metrics)  # fmt: skip
-            runs.append(run)
+            runs.append(
+                Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs,
+                    m.grad_cosine, m.grad_scale, m.metrics)
+            )  # fmt: skip
             if m.statuses is None or m.norms is None:
                 continue
             if not len(m.statuses) == len(m.norms) == len(trainable_names):
                 raise AssertionError(
                     f"{x.info.name}, {m.scenario}: a status and a norm per trainable parameter"
                 )
+            n = len(trainable_names)
+            rel: Sequence[float | None] = [None] * n
+            verdicts: Sequence[str | None] = [None] * n
             refs = ref_status.get(m.scenario) if x.info.name != ref_name else None
-            if refs is None:
-                blocks.append(CellBlock(x.info.name, m.scenario, trainable_names, m.statuses, m.norms))
-            else:
+            if refs is not None:
                 if numels is None:
                     numels = [p.numel() for _, p in trainable]
-                rel = m.rel_errors or [None] * len(trainable_names)
-                ref_norms = ref_norms_of.get(m.scenario) or [None] * len(trainable_names)
+                rel = m.rel_errors or rel
+                ref_norms = ref_norms_of.get(m.scenario) or [None] * n
                 noise = noise_pairs(refs, ref_norms, m.statuses, m.norms, numels, dtype)
                 verdicts = [verdict(refs[i], st, rel[i], rtol, noise[i]) for i, st in enumerate(m.statuses)]
-                blocks.append(
-                    CellBlock(x.info.name, m.scenario, trainable_names, m.statuses, m.norms, rel, verdicts)
-                )
+            cells += [
+                Cell(x.info.name, m.scenario, p, st, norm, r, v)
+                for p, st, norm, r, v in zip(trainable_names, m.statuses, m.norms, rel, verdicts, strict=True)
+            ]
             # Frozen parameters cannot receive a gradient: recorded as none, not counted as trainable.
-            if frozen:
-                blocks.append(
-                    CellBlock(x.info.name, m.scenario, frozen, ["none"] * len(frozen), [None] * len(frozen))
-                )
+            cells += [Cell(x.info.name, m.scenario, p, "none", None) for p in frozen]
     first = trainable[0][1]
     expect = normalized_expect(spec.expect)
     if expect:  # (else after the eager call, where the terms come from the step)
         check_against(expect, [s.name for s in scenarios], trainable_names)
-    fm = flow_map(
+    return FlowMap(
         torch_version=torch.__version__,
         device=str(first.device),
         dtype=dtype,
@@ -670,8 +657,18 @@ def _flow_map(
         scenarios=tuple(ScenarioInfo(s.name, s.terms) for s in scenarios),
         variants=tuple(x.info for x in measured),
         runs=tuple(runs),
-        parameters=parameter_infos(named),
-        cells=Cells(blocks),
+        parameters=tuple(
+            ParameterInfo(
+                n,
+                tuple(p.shape),
+                p.numel(),
+                p.requires_grad,
+                str(p.dtype).removeprefix("torch."),
+                str(p.device),
+            )
+            for n, p in named
+        ),
+        cells=tuple(cells),
         gradprobe_version=__version__,
         notes=dict(spec.notes),
         expect=expect,
@@ -680,4 +677,3 @@ def _flow_map(
         warnings=tuple(_stochastic_warnings(model, measured)),
         **evidence,
     )
-    return fm

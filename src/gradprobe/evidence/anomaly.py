@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from ..measure import Measurement, user_frame_in_text
@@ -54,7 +55,7 @@ def with_double_backward_frames(
     if where is None:
         return list(results)
     return [
-        dataclasses.replace(m, error=dataclasses.replace(m.error, where=where))
+        dataclasses.replace(m, error=msgspec.structs.replace(m.error, where=where))
         if any(m is f for f in failing)  # by identity: measurements compare their norm lists otherwise
         else m
         for m in results

@@ -9,11 +9,12 @@ as text.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from ..flowmap import Finding, FlowMap, Run
 from .controls import visible
@@ -673,7 +674,7 @@ def _checks(fm: FlowMap) -> str:
     balance = _balance(fm.checks.get("balance"))
     rest = {k: x for k, x in fm.checks.items() if k != "balance"} if balance else fm.checks
     try:
-        lines = check_lines(dataclasses.replace(fm, checks=rest) if balance else fm)
+        lines = check_lines(msgspec.structs.replace(fm, checks=rest) if balance else fm)
     except (KeyError, TypeError, AttributeError, ValueError):  # a checks dict of another shape: curves only
         lines = []
     training = fm.checks.get("training")
