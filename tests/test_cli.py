@@ -1,11 +1,13 @@
 """The command line: demo, run, --json, exit status 0/1/2."""
 
+import importlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+import gradprobe
 from gradprobe.cli import main
 from gradprobe.flowmap import FlowMap
 
@@ -193,3 +195,75 @@ def test_an_unavailable_device_exits_2(spec_file, capsys):
     assert "not available" in capsys.readouterr().err
     assert main(["demo", "--device", "gpu0"]) == 2
     assert "not a torch device" in capsys.readouterr().err
+
+
+FORCE_SPEC = """
+import torch
+
+import gradprobe
+from gradprobe.variants import register_variant
+
+
+class Potential(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 8)
+        self.out = torch.nn.Linear(8, 1)
+        self.shift = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, positions):
+        return self.out(torch.tanh(self.embed(positions))).sum() + self.shift
+
+
+def step(model, batch):
+    positions = batch["positions"].clone().requires_grad_(True)
+    energy = model(positions)
+    # dynamo breaks the graph here and resumes in this file's frame, whose globals it looks up
+    (grad,) = torch.autograd.grad(energy, positions, create_graph=True)
+    return {"energy": (energy - batch["energy"]).pow(2), "force": (grad + batch["forces"]).pow(2).mean()}
+
+
+def own_compiled(ctx):  # the user's own compiled path
+    compiled = torch.compile(ctx.weighted(), backend="eager")
+    return lambda batch, weights: compiled(ctx.model, batch, weights)
+
+
+register_variant("own_compiled", own_compiled)
+
+
+def spec():
+    torch.manual_seed(0)
+    batch = {"positions": torch.randn(5, 3), "energy": torch.zeros(()), "forces": torch.zeros(5, 3)}
+    return gradprobe.ProbeSpec(model=Potential(), step=step, batch=batch)
+"""
+
+EVERY_KIND = "eager,make_fx[detach=alias],compile:eager,compile_model:eager,own_compiled"
+
+
+def _outcome(fm):
+    counts = {(v, s): fm.count(v, s) for v in fm.variant_names for s in fm.scenario_names}
+    return sorted((f.cause, f.severity) for f in fm.findings), counts
+
+
+@pytest.mark.slow
+def test_a_spec_file_probes_the_same_from_the_command_line_and_the_api(tmp_path, monkeypatch):
+    # The command imports the file as a module that stays in sys.modules while it is probed: dynamo
+    # resumes after the graph break in the step's frame and resolves its globals through it. Before,
+    # every compiled variant failed with "No module named 'gradprobe_user_force_model'".
+    monkeypatch.setattr("gradprobe.variants._USER_VARIANTS", {})  # the file registers own_compiled
+    path = tmp_path / "force_model.py"
+    path.write_text(FORCE_SPEC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:  # the API, on the file imported as usual
+        api = gradprobe.probe(
+            importlib.import_module("force_model").spec(), variants=EVERY_KIND, progress=False
+        )
+    finally:
+        sys.modules.pop("force_model", None)
+    saved = tmp_path / "cli.json"
+    assert main(["run", str(path), "--variants", EVERY_KIND, "--quiet", "--json", str(saved)]) == 0
+    cli = FlowMap.from_json(saved)
+    assert cli.variant_names == api.variant_names == tuple(EVERY_KIND.split(","))
+    assert _outcome(cli) == _outcome(api)
+    assert cli.count("compile:eager", "force only") == (3, 5) and api.exit_code == 0
+    assert "gradprobe_user_force_model" not in sys.modules  # importable while probed, removed after

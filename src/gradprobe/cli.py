@@ -9,14 +9,17 @@ head, never fail it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
 import os
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from _gradprobe_cli import crashed
@@ -158,9 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_spec(target: str, **kwargs: Any) -> Any:
-    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts. It
-    returns a ``ProbeSpec``, or a trainer adapter (``gradprobe.trainer.TrainerAdapter``)."""
+@contextlib.contextmanager
+def load_spec(target: str, **kwargs: Any) -> Iterator[Any]:
+    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts; the
+    block gets a ``ProbeSpec``, or a trainer adapter (``gradprobe.trainer.TrainerAdapter``).
+
+    The file is imported as a module (``gradprobe_user_<stem>``) that stays in ``sys.modules`` until the
+    block ends, as an imported one would: dynamo resolves a compiled frame's globals through it, so a
+    spec behaves the same from the command line and from the Python API."""
     path_text, _, func_name = target.rpartition(":") if ":" in target else (target, "", "")
     path = Path(path_text)
     func_name = func_name or "spec"
@@ -169,11 +177,28 @@ def load_spec(target: str, **kwargs: Any) -> Any:
     if path.suffix == ".json":
         from .adapters.deepmd import adapter_from_input
 
-        return adapter_from_input(path)
-    module_spec = importlib.util.spec_from_file_location(f"gradprobe_user_{path.stem}", path)
+        yield adapter_from_input(path)
+        return
+    name = f"gradprobe_user_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise SpecError(f"cannot import {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
+    previous = sys.modules.get(name)
+    sys.modules[name] = module  # during the import too: a dataclass in the file looks its module up
+    try:
+        yield _call_spec(path, module_spec, module, func_name, kwargs)
+    finally:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
+        if previous is not None:
+            sys.modules[name] = previous
+
+
+def _call_spec(
+    path: Path, module_spec: ModuleSpec, module: ModuleType, func_name: str, kwargs: Mapping[str, Any]
+) -> Any:
+    assert module_spec.loader is not None
     sys.path.insert(0, str(path.resolve().parent))  # so the spec can import its neighbours
     try:
         module_spec.loader.exec_module(module)
@@ -411,17 +436,20 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
     created = init_from_env()
     rank = dist.get_rank()
     code = EXIT_USAGE
+    loaded = contextlib.ExitStack()  # the spec file stays importable while it is probed
     try:
         device = args.device
         if device is None and torch.cuda.is_available():
             device = f"cuda:{torch.cuda.current_device()}"
         spec, error = _attempt(
-            lambda: load_spec(
-                args.target,
-                device=device,
-                dtype=_dtype(args.dtype),
-                rank=rank,
-                world_size=dist.get_world_size(),
+            lambda: loaded.enter_context(
+                load_spec(
+                    args.target,
+                    device=device,
+                    dtype=_dtype(args.dtype),
+                    rank=rank,
+                    world_size=dist.get_world_size(),
+                )
             )
         )
         if error is None and _is_adapter(spec):
@@ -440,6 +468,7 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
             sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         code = EXIT_USAGE
     finally:
+        loaded.close()
         status = os.environ.get(STATUS_FILE_ENV)
         if rank == 0 and status:
             Path(status).write_text(f"{code}\n")
@@ -487,10 +516,6 @@ def _with_expect(
 
 def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
     """``demo`` and ``run``: build the spec (or adapter) and probe it."""
-    from .probe import probe
-
-    diagnose = args.diagnose
-    expect = _cli_expect(args.expect)
     if args.command == "demo":
         from .zoo import reference_spec
         from .zoo.bugs import BUGS
@@ -504,12 +529,19 @@ def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
                 seed=args.seed,
                 bug=args.bug,
             )
-        if args.bug is not None:
-            diagnose = True
-            checks = list(dict.fromkeys([*checks, *BUGS[args.bug].checks]))
-    else:
+        if args.bug is None:
+            return _probe_spec(args, spec, checks, args.diagnose)
+        return _probe_spec(args, spec, list(dict.fromkeys([*checks, *BUGS[args.bug].checks])), True)
+    with contextlib.ExitStack() as loaded:  # the spec file stays importable while it is probed
         with stage(f"loading {args.target}"):
-            spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
+            spec = loaded.enter_context(load_spec(args.target, device=args.device, dtype=_dtype(args.dtype)))
+        return _probe_spec(args, spec, checks, args.diagnose)
+
+
+def _probe_spec(args: argparse.Namespace, spec: Any, checks: list[str], diagnose: bool) -> FlowMap:
+    from .probe import probe
+
+    expect = _cli_expect(args.expect)
     if _is_adapter(spec):
         from .trainer import parse_configurations, probe_trainer
 
