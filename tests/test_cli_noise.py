@@ -7,6 +7,9 @@ no empty ``DEBUG torch.__trace`` lines to a failing test's log; ``-v`` lets ever
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -81,3 +84,48 @@ def test_shown_lets_them_through(caplog):
         fm = gradprobe.probe(torch.nn.Linear(3, 1), _chatty_step, torch.randn(4, 3), progress=False)
     assert "torch._dynamo" in {r.name for r in caplog.records}
     assert not [w for w in fm.warnings if "during the probe" in w]
+
+
+NOISY_SPEC = """
+import torch
+import gradprobe
+
+
+def step(model, x):
+    energy = model(x).sum()
+    scale = energy.detach().abs().item()  # dynamo breaks the graph here, and warns about it
+    return {"energy": energy.pow(2) / (1 + scale), "reg": model.weight.pow(2).sum()}
+
+
+def spec():
+    torch.manual_seed(0)
+    return gradprobe.ProbeSpec(model=torch.nn.Linear(3, 1), step=step, batch=torch.randn(4, 3))
+"""
+
+
+def _run(path, *options):  # type: ignore[no-untyped-def]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
+    return subprocess.run(
+        [sys.executable, "-m", "gradprobe", "run", str(path), "--variants", "eager,compile:eager", *options],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_quiet_means_quiet_on_the_command_line_and_v_shows_torch_s_warnings(tmp_path):
+    # A fresh process each: dynamo says this graph break once per process.
+    path = tmp_path / "noisy.py"
+    path.write_text(NOISY_SPEC)
+    quiet = _run(path, "--quiet")
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert quiet.stderr == ""  # 17 lines of dynamo's warning before
+    assert "during the probe, kept off the terminal (first: torch._dynamo" in quiet.stdout
+    assert "Graph break from `Tensor.item()`" in quiet.stdout
+    verbose = _run(path, "--quiet", "-v")  # -v after the command
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    assert "Graph break from `Tensor.item()`" in verbose.stderr
+    assert "kept off the terminal" not in verbose.stdout
