@@ -1,12 +1,14 @@
 """The command line: demo, run, --json, exit status 0/1/2."""
 
+import importlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from gradprobe.cli import main
+import gradprobe
+from gradprobe.cli import build_parser, main
 from gradprobe.flowmap import FlowMap
 
 DEMO_TABLE = """\
@@ -188,8 +190,137 @@ def test_an_unavailable_device_exits_2(spec_file, capsys):
         pytest.skip("CUDA is available here")
     assert main(["run", str(spec_file), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert "gradprobe: error: device 'cuda' is not available" in err and "Traceback" not in err
+    assert "gradprobe: error: --device cuda: this torch" in err and "has no CUDA device" in err
+    assert "(available: cpu" in err and "Traceback" not in err
     assert main(["demo", "--device", "cuda"]) == 2
-    assert "not available" in capsys.readouterr().err
+    assert "has no CUDA device" in capsys.readouterr().err
     assert main(["demo", "--device", "gpu0"]) == 2
-    assert "not a torch device" in capsys.readouterr().err
+    assert "--device gpu0: not a torch device (available: cpu" in capsys.readouterr().err
+
+
+def test_a_device_torch_lacks_is_one_short_line_without_torch_s_backend_list(spec_file, capsys):
+    import torch
+
+    if torch.backends.mps.is_available():
+        pytest.skip("MPS is available here")
+    assert main(["run", str(spec_file), "--device", "mps"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("gradprobe: error: --device mps: this torch") and "has no MPS device" in err, err
+    assert len(err.splitlines()) == 1 and len(err) < 160, err  # torch's message lists 40 dispatch keys
+    assert "backends" not in err and not captured.out
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "hint"),
+    [
+        (["run", "{f}", "--diagnsoe"], "usage: gradprobe run", "unrecognized argument --diagnsoe (did you mean --diagnose?)"),
+        (["run", "{f}", "--varaints=eager"], "usage: gradprobe run", "(did you mean --variants?)"),
+        (["report", "flow.json", "--hmtl", "r.html"], "usage: gradprobe report", "(did you mean --html?)"),
+        (["rnu", "{f}"], "usage: gradprobe [-h]", "unknown command 'rnu' (did you mean run?); the commands are demo"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_option_or_command_gets_a_did_you_mean(spec_file, capsys, argv, usage, hint):
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(f=spec_file) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert usage in err and hint in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbose"),
+    [(["run", "x.py"], False), (["-v", "run", "x.py"], True), (["run", "x.py", "-v"], True),
+     (["report", "f.json", "--verbose"], True), (["diff", "a.json", "b.json", "-v"], True)],
+)  # fmt: skip
+def test_verbose_is_taken_before_or_after_the_command(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+def test_report_help_and_exit_status(spec_file, tmp_path, capsys):
+    # gradprobe report exits 1 when the saved map holds error findings: its --help says so.
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 the map holds no error finding, 1 it holds error findings" in help_text
+    assert (
+        "2 the file cannot be read or is not a flow map" in help_text and "3 gradprobe crashed" in help_text
+    )
+    broken, healthy = tmp_path / "broken.json", tmp_path / "healthy.json"
+    assert main(["run", f"{spec_file}:broken", "--json", str(broken), "--quiet"]) == 1
+    assert main(["run", str(spec_file), "--json", str(healthy), "--quiet"]) == 0
+    unreadable = tmp_path / "not_a_map.json"
+    unreadable.write_text("{")
+    assert [main(["report", str(p)]) for p in (healthy, broken, unreadable)] == [0, 1, 2]
+
+
+FORCE_SPEC = """
+import torch
+
+import gradprobe
+from gradprobe.variants import register_variant
+
+
+class Potential(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 8)
+        self.out = torch.nn.Linear(8, 1)
+        self.shift = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, positions):
+        return self.out(torch.tanh(self.embed(positions))).sum() + self.shift
+
+
+def step(model, batch):
+    positions = batch["positions"].clone().requires_grad_(True)
+    energy = model(positions)
+    # dynamo breaks the graph here and resumes in this file's frame, whose globals it looks up
+    (grad,) = torch.autograd.grad(energy, positions, create_graph=True)
+    return {"energy": (energy - batch["energy"]).pow(2), "force": (grad + batch["forces"]).pow(2).mean()}
+
+
+def own_compiled(ctx):  # the user's own compiled path
+    compiled = torch.compile(ctx.weighted(), backend="eager")
+    return lambda batch, weights: compiled(ctx.model, batch, weights)
+
+
+register_variant("own_compiled", own_compiled)
+
+
+def spec():
+    torch.manual_seed(0)
+    batch = {"positions": torch.randn(5, 3), "energy": torch.zeros(()), "forces": torch.zeros(5, 3)}
+    return gradprobe.ProbeSpec(model=Potential(), step=step, batch=batch)
+"""
+
+EVERY_KIND = "eager,make_fx[detach=alias],compile:eager,compile_model:eager,own_compiled"
+
+
+def _outcome(fm):
+    counts = {(v, s): fm.count(v, s) for v in fm.variant_names for s in fm.scenario_names}
+    return sorted((f.cause, f.severity) for f in fm.findings), counts
+
+
+@pytest.mark.slow
+def test_a_spec_file_probes_the_same_from_the_command_line_and_the_api(tmp_path, monkeypatch):
+    # The command imports the file as a module that stays in sys.modules while it is probed: dynamo
+    # resumes after the graph break in the step's frame and resolves its globals through it. Before,
+    # every compiled variant failed with "No module named 'gradprobe_user_force_model'".
+    monkeypatch.setattr("gradprobe.variants._USER_VARIANTS", {})  # the file registers own_compiled
+    path = tmp_path / "force_model.py"
+    path.write_text(FORCE_SPEC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:  # the API, on the file imported as usual
+        api = gradprobe.probe(
+            importlib.import_module("force_model").spec(), variants=EVERY_KIND, progress=False
+        )
+    finally:
+        sys.modules.pop("force_model", None)
+    saved = tmp_path / "cli.json"
+    assert main(["run", str(path), "--variants", EVERY_KIND, "--quiet", "--json", str(saved)]) == 0
+    cli = FlowMap.from_json(saved)
+    assert cli.variant_names == api.variant_names == tuple(EVERY_KIND.split(","))
+    assert _outcome(cli) == _outcome(api)
+    assert cli.count("compile:eager", "force only") == (3, 5) and api.exit_code == 0
+    assert "gradprobe_user_force_model" not in sys.modules  # importable while probed, removed after

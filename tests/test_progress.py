@@ -193,3 +193,24 @@ def test_probes_share_one_reporter_thread() -> None:
     reporters = [t for t in threading.enumerate() if t.name == "gradprobe-progress"]
     assert len(reporters) == 1 and reporters[0].daemon
     assert not progress._TICKER.reporters  # no probe left registered: the thread is idle
+
+
+def test_the_heartbeat_never_says_zero_seconds_in_a_stage_just_entered() -> None:
+    # Many short stages (a bisection's trials): when the heartbeat is due, the stage of the moment has
+    # just begun; the line gives the time of the stage around it that has lasted, not "0.0 s".
+    out = io.StringIO()
+    reporter = progress._Reporter(out, live=False)
+    t0 = reporter.started
+    reporter.wrote, reporter.last_line = True, t0 + 5.0
+    reporter.last_written = ("compile:eager", "trial 36")
+    reporter.stack = [("compile:eager", t0 + 1.0), ("trial 37", t0 + 9.99)]
+    reporter._tick(t0 + 10.0)
+    assert out.getvalue().endswith("compile:eager › trial 37 (still running, 9.0 s in compile:eager)\n")
+    reporter.stack = [("compile:eager", t0 + 1.0), ("trial 38", t0 + 15.0)]  # a long one, written
+    reporter.last_written = ("compile:eager", "trial 38")
+    reporter._tick(t0 + 20.0)
+    assert out.getvalue().endswith("compile:eager › trial 38 (still running, 5.0 s in this stage)\n")
+    reporter.stack = [("lineage", t0 + 29.9)]
+    reporter._tick(t0 + 30.0)
+    assert out.getvalue().endswith("lineage (still running, 30.0 s in all)\n")
+    assert "running, 0.0 s" not in out.getvalue()

@@ -9,14 +9,18 @@ head, never fail it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import difflib
 import importlib.util
 import inspect
 import os
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from _gradprobe_cli import crashed
@@ -25,6 +29,7 @@ from . import __version__
 from .errors import GradProbeError, SpecError
 from .flowmap import FlowMap
 from .progress import reporting, stage
+from .quiet import shown
 from .report.controls import visible
 from .report.styled import write_report
 from .spec import ProbeSpec
@@ -41,6 +46,38 @@ VARIANTS_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a did-you-mean: a mistyped option is refused by the parser of its command (with
+    that command's usage, not the top level's), a mistyped command by the top level."""
+
+    _commands: Any = None  # the subparsers action, on the top-level parser
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        self._commands = super().add_subparsers(**kwargs)
+        return self._commands
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._commands is not None:
+            given = sys.argv[1:] if args is None else list(args)
+            command = next((a for a in given if not a.startswith("-")), None)
+            names = list(self._commands.choices)
+            if command is not None and command not in names:
+                self.error(f"unknown command {command!r}{_did_you_mean(command, names)}; the commands are "
+                           f"{', '.join(names)}")  # fmt: skip
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a for a in extras if a.startswith("-") and a != "-"]
+        if unknown:
+            options = [o for action in self._actions for o in action.option_strings]
+            hint = _did_you_mean(unknown[0].split("=")[0], options)
+            self.error(f"unrecognized argument {unknown[0]}{hint}")
+        return namespace, extras
+
+
+def _did_you_mean(given: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(given, choices, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", help=VARIANTS_HELP)
     p.add_argument("--reference", help="the variant the others are compared with (default: the first)")
@@ -49,6 +86,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
     _report_options(p)
+    _verbose(p)
     p.add_argument(
         "--check",
         action="append",
@@ -86,21 +124,31 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _verbose(p: argparse.ArgumentParser, default: Any = argparse.SUPPRESS) -> None:
+    """``-v``, before or after the command (a command's own default must not undo ``gradprobe -v run``)."""
+    p.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        default=default,
+        help="let torch's warnings and logging during the probe through to stderr (otherwise counted in the "
+        "report), and on a crash of gradprobe itself print the traceback",
+    )
+
+
 def _report_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report to PATH")
     p.add_argument("--markdown", metavar="PATH", help="write a Markdown report (for a PR comment) to PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gradprobe",
         description="Which parameters does each loss term reach, eager and compiled, and why not.",
         epilog="exit status: 0 no error finding, 1 error findings, 2 usage or input error, 3 gradprobe crashed",
     )
     parser.add_argument("--version", action="version", version=f"gradprobe {__version__}")
-    parser.add_argument(
-        "--verbose", "-v", action="store_true", help="on a crash of gradprobe itself, print the traceback"
-    )
+    _verbose(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="probe the built-in reference potential (energy, force, virial)")
@@ -141,12 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="render a saved flow map (terminal, or --html / --markdown files); exit 0/1 by findings",
+        description="Render a flow map saved with --json: the terminal report, or the --html / --markdown files.",
+        epilog="exit status: 0 the map holds no error finding, 1 it holds error findings (as the run that "
+        "wrote it), 2 the file cannot be read or is not a flow map (or a usage error), 3 gradprobe crashed",
     )
     report.add_argument("flowmap", metavar="FLOW.json", help="a flow map written with --json")
+    _verbose(report)
     _report_options(report)
     report.add_argument("--all", action="store_true", help="show every parameter in the terminal diff")
 
     diff = sub.add_parser("diff", help="compare two saved flow maps; exit 1 if the flow changed, 0 if not")
+    _verbose(diff)
     diff.add_argument("before", metavar="A.json")
     diff.add_argument("after", metavar="B.json")
     diff.add_argument(
@@ -158,9 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_spec(target: str, **kwargs: Any) -> Any:
-    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts. It
-    returns a ``ProbeSpec``, or a trainer adapter (``gradprobe.trainer.TrainerAdapter``)."""
+@contextlib.contextmanager
+def load_spec(target: str, **kwargs: Any) -> Iterator[Any]:
+    """Import FILE.py and call FUNCTION (default ``spec``), passing only the keywords it accepts; the
+    block gets a ``ProbeSpec``, or a trainer adapter (``gradprobe.trainer.TrainerAdapter``).
+
+    The file is imported as a module (``gradprobe_user_<stem>``) that stays in ``sys.modules`` until the
+    block ends, as an imported one would: dynamo resolves a compiled frame's globals through it, so a
+    spec behaves the same from the command line and from the Python API."""
     path_text, _, func_name = target.rpartition(":") if ":" in target else (target, "", "")
     path = Path(path_text)
     func_name = func_name or "spec"
@@ -169,11 +227,28 @@ def load_spec(target: str, **kwargs: Any) -> Any:
     if path.suffix == ".json":
         from .adapters.deepmd import adapter_from_input
 
-        return adapter_from_input(path)
-    module_spec = importlib.util.spec_from_file_location(f"gradprobe_user_{path.stem}", path)
+        yield adapter_from_input(path)
+        return
+    name = f"gradprobe_user_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise SpecError(f"cannot import {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
+    previous = sys.modules.get(name)
+    sys.modules[name] = module  # during the import too: a dataclass in the file looks its module up
+    try:
+        yield _call_spec(path, module_spec, module, func_name, kwargs)
+    finally:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
+        if previous is not None:
+            sys.modules[name] = previous
+
+
+def _call_spec(
+    path: Path, module_spec: ModuleSpec, module: ModuleType, func_name: str, kwargs: Mapping[str, Any]
+) -> Any:
+    assert module_spec.loader is not None
     sys.path.insert(0, str(path.resolve().parent))  # so the spec can import its neighbours
     try:
         module_spec.loader.exec_module(module)
@@ -230,24 +305,49 @@ def _same_file(name: str, path: Path) -> bool:
 
 
 def _check_device(name: str | None) -> None:
-    """``--device``: a torch device that can hold a tensor here, checked before anything runs."""
+    """``--device``: a torch device that can hold a tensor here, checked before anything runs. The
+    error is one line: what is missing, what is available (never torch's list of dispatch keys)."""
     if name is None:
         return
     import torch
 
     try:
         device = torch.device(name)
-    except (RuntimeError, ValueError, TypeError) as e:
+    except (RuntimeError, ValueError, TypeError):
         raise SpecError(
-            f"--device {name!r} is not a torch device ({str(e).splitlines()[0]}); e.g. cpu, cuda:0, mps"
+            f"--device {name}: not a torch device (available: {', '.join(_available_devices())})"
         ) from None
     try:
         torch.empty(0, device=device)
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SpecError(
-            f"device {name!r} is not available here: {reason} (torch {torch.__version__}); use --device cpu"
-        ) from None
+        kind = device.type.upper() if device.type in ("cuda", "mps", "xpu") else device.type
+        count = _device_count(device.type)
+        if count == 0:
+            why = f"this torch ({torch.__version__}) has no {kind} device"
+        elif device.index is not None and device.index >= count:
+            why = f"only {count} {kind} device(s) here"
+        else:  # torch's first sentence: its next ones can list every dispatch key
+            first = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160]
+            why = f"{type(e).__name__}: {first}".rstrip(": ")
+        raise SpecError(f"--device {name}: {why} (available: {', '.join(_available_devices())})") from None
+
+
+def _device_count(kind: str) -> int:
+    """How many devices of a kind torch sees here (``torch.cuda``, ``torch.mps``, ``torch.xpu``...)."""
+    import torch
+
+    try:
+        return int(getattr(torch, kind).device_count())
+    except Exception:  # no such module, or a backend that cannot count
+        return 0
+
+
+def _available_devices() -> list[str]:
+    found = ["cpu"]
+    for kind in ("cuda", "mps", "xpu"):
+        count = _device_count(kind)
+        found += [kind] if count == 1 else [f"{kind}:{i}" for i in range(count)]
+    return found
 
 
 def _check_writable(path: str | None, what: str) -> None:
@@ -411,26 +511,30 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
     created = init_from_env()
     rank = dist.get_rank()
     code = EXIT_USAGE
+    loaded = contextlib.ExitStack()  # the spec file stays importable while it is probed
     try:
         device = args.device
         if device is None and torch.cuda.is_available():
             device = f"cuda:{torch.cuda.current_device()}"
         spec, error = _attempt(
-            lambda: load_spec(
-                args.target,
-                device=device,
-                dtype=_dtype(args.dtype),
-                rank=rank,
-                world_size=dist.get_world_size(),
+            lambda: loaded.enter_context(
+                load_spec(
+                    args.target,
+                    device=device,
+                    dtype=_dtype(args.dtype),
+                    rank=rank,
+                    world_size=dist.get_world_size(),
+                )
             )
         )
         if error is None and _is_adapter(spec):
             error = SpecError("a trainer adapter cannot be probed with --nproc: run it without")
         _gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
-        fm = probe_distributed(
-            spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks,
-            progress=not args.quiet,
-        )  # fmt: skip
+        with _shown_if(args.verbose):
+            fm = probe_distributed(
+                spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks,
+                progress=not args.quiet,
+            )  # fmt: skip
         if rank == 0:
             code = _report(fm, args.json, args.all, args.html, args.markdown, extra=render_ranks(fm))
         else:
@@ -440,12 +544,18 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
             sys.stderr.write(visible(f"gradprobe: error: {e}\n"))
         code = EXIT_USAGE
     finally:
+        loaded.close()
         status = os.environ.get(STATUS_FILE_ENV)
         if rank == 0 and status:
             Path(status).write_text(f"{code}\n")
         if created and dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_OK if os.environ.get(STATUS_FILE_ENV) else code
+
+
+def _shown_if(verbose: bool) -> contextlib.AbstractContextManager[Any]:
+    """``-v``: torch's warnings and logging during the probe go to stderr, as without gradprobe."""
+    return shown() if verbose else contextlib.nullcontext()
 
 
 def _checks(given: Sequence[str]) -> list[str]:
@@ -487,10 +597,6 @@ def _with_expect(
 
 def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
     """``demo`` and ``run``: build the spec (or adapter) and probe it."""
-    from .probe import probe
-
-    diagnose = args.diagnose
-    expect = _cli_expect(args.expect)
     if args.command == "demo":
         from .zoo import reference_spec
         from .zoo.bugs import BUGS
@@ -504,12 +610,19 @@ def _probe_command(args: argparse.Namespace, checks: list[str]) -> FlowMap:
                 seed=args.seed,
                 bug=args.bug,
             )
-        if args.bug is not None:
-            diagnose = True
-            checks = list(dict.fromkeys([*checks, *BUGS[args.bug].checks]))
-    else:
+        if args.bug is None:
+            return _probe_spec(args, spec, checks, args.diagnose)
+        return _probe_spec(args, spec, list(dict.fromkeys([*checks, *BUGS[args.bug].checks])), True)
+    with contextlib.ExitStack() as loaded:  # the spec file stays importable while it is probed
         with stage(f"loading {args.target}"):
-            spec = load_spec(args.target, device=args.device, dtype=_dtype(args.dtype))
+            spec = loaded.enter_context(load_spec(args.target, device=args.device, dtype=_dtype(args.dtype)))
+        return _probe_spec(args, spec, checks, args.diagnose)
+
+
+def _probe_spec(args: argparse.Namespace, spec: Any, checks: list[str], diagnose: bool) -> FlowMap:
+    from .probe import probe
+
+    expect = _cli_expect(args.expect)
     if _is_adapter(spec):
         from .trainer import parse_configurations, probe_trainer
 
@@ -555,7 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One reporter for the whole command: loading a trainer's model can take as long as probing it.
         from .evidence import compiler_passes
 
-        with reporting(not args.quiet), compiler_passes.enabled(args.compiler_bisect):
+        with (
+            reporting(not args.quiet),
+            compiler_passes.enabled(args.compiler_bisect),
+            _shown_if(args.verbose),
+        ):
             fm = _probe_command(args, checks)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:

@@ -29,6 +29,7 @@ from .evidence.graphlint import lint
 from .flowmap import Cell, FlowMap, ParameterInfo, Run, ScenarioInfo, VariantInfo
 from .measure import Measurement, per_scenario, per_term
 from .progress import reporting, stage
+from .quiet import quietly
 from .rng import reseed
 from .scenarios import Scenario, resolve_scenarios
 from .spec import ProbeSpec, check_values, resolve_model
@@ -120,8 +121,10 @@ def run_probe(
     # Called inside torch.inference_mode(), autograd would record nothing (enable_grad does not leave
     # inference mode): the probe leaves it, and the caller's mode is back on return.
     # In a copy of the context: config values a step or a variant sets are gone at the end (state.py).
+    # What torch says meanwhile (dynamo's warnings) is summarised in the flow map, not printed (quiet.py).
     with torch.inference_mode(False):
-        return contained(lambda: _run_probe(spec, variants, reference, diagnose_, checks))
+        fm, said = quietly(contained, lambda: _run_probe(spec, variants, reference, diagnose_, checks))
+    return replace(fm, warnings=(*fm.warnings, *said)) if said else fm
 
 
 def _run_probe(

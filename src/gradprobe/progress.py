@@ -221,7 +221,17 @@ class _Reporter:
             self._write(" › ".join(path))
             self.last_written = path
         elif now - self.last_line >= HEARTBEAT:
-            self._write(f"{' › '.join(path)} (still running, {_seconds(now - entered)} in this stage)")
+            self._write(f"{' › '.join(path)} (still running, {self._lasted(now)})")
+
+    def _lasted(self, now: float) -> str:
+        """How long the innermost stage that has lasted a while has run: a stage just entered (one of
+        many short ones, a bisection's trials) would say "0.0 s in this stage"."""
+        lasting = [(text, entered) for text, entered in self.stack if now - entered >= GRACE]
+        if not lasting:
+            return f"{_seconds(now - self.started)} in all"
+        text, entered = lasting[-1]
+        where = "this stage" if len(lasting) == len(self.stack) else text
+        return f"{_seconds(now - entered)} in {where}"
 
     def _write(self, text: str) -> None:
         elapsed = time.perf_counter() - self.started
