@@ -124,7 +124,7 @@ def run_probe(
     # What torch says meanwhile (dynamo's warnings) is summarised in the flow map, not printed (quiet.py).
     with torch.inference_mode(False):
         fm, said = quietly(contained, lambda: _run_probe(spec, variants, reference, diagnose_, checks))
-    return replace(fm, warnings=(*fm.warnings, *said)) if said else fm
+    return msgspec.structs.replace(fm, warnings=(*fm.warnings, *said)) if said else fm
 
 
 def _run_probe(
