@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch._dynamo  # here, not first in pytester's in-process run, which drops it (test_pytest_plugin.py)
 
 import gradprobe
 
@@ -37,8 +36,10 @@ def test_fails():
 def test_a_failing_test_s_captured_log_has_no_torch_trace_lines(pytester):
     # pytest attaches its capture handler to every non-propagating logger, torch.__trace among them;
     # torch then logs each structured-trace event to it, an empty DEBUG line each (170 on a real model).
+    # In a subprocess: an in-process run drops the modules it imported, torch's compilers among them,
+    # which cannot be imported twice in one process.
     pytester.makepyfile(test_user=FAILING_TEST)
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     text = result.stdout.str()
     assert "assert 0 == 1" in text
