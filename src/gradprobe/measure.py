@@ -12,10 +12,8 @@ Both return one ``Measurement`` per scenario; statuses are reduced in batches (`
 from __future__ import annotations
 
 import contextlib
-import linecache
 import operator
-import os
-import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -27,6 +25,7 @@ import torch
 from .compare import allclose_excess, cosine_and_scale, relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
+from .frames import frames_of, user_frame_of
 from .scenarios import Scenario
 from .state import reseed
 from .status import Launched, Pending, Plan, launch, plan_for, read_planned, reduce_grads
@@ -70,113 +69,8 @@ def run_error(stage: str, e: BaseException) -> RunError:
     return RunError(stage, type(e).__name__, message[:500], user_frame_of(e), frames_of(e))
 
 
-FRAMES = 12  # innermost traceback frames kept with a run error
-
-
-def frames_of(e: BaseException, limit: int = FRAMES) -> tuple[str, ...]:
-    """``"runtime_wrappers.py:2489 in coerce_to_expected_memory_format"`` for the innermost ``limit``
-    frames of the traceback (torch's included), innermost last."""
-    out: list[str] = []
-    tb = e.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        out.append(f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}")
-        tb = tb.tb_next
-    return tuple(out[-limit:])
-
-
-_FROM_USER = re.compile(
-    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>[^\n]+)\n\s*(?P<code>[^\n]*)'
-)
-
-
-def user_frame_in_text(text: str) -> dict[str, Any] | None:
-    """The innermost user frame a printed traceback names (``File "...", line N, in f``)."""
-    from .evidence.lineage import is_user_file
-
-    named = [
-        m.groupdict()
-        for m in _FROM_USER.finditer(text)
-        if is_user_file(m["file"]) and not _is_stdlib(m["file"])
-    ]
-    if not named:
-        return None
-    f = named[-1]
-    file, line = f["file"], int(f["line"])
-    code = f["code"].strip()
-    if code.startswith('File "'):  # the frame printed no source line: the next frame's header was taken
-        code = linecache.getline(file, line).strip()
-    if not code or code[0] in ")]}":
-        # A resumed dynamo frame may name the line after a multi-line call: the statement it ends.
-        line, code = _statement_before(file, line)
-    return {"file": file, "line": line, "function": f["function"].strip(), "code": code}
-
-
-def _statement_before(file: str, line: int) -> tuple[int, str]:
-    """The first line (number and text) of the innermost statement that holds ``line``, or of the last
-    one ending before it when ``line`` is blank; ``(line, "")`` when the file cannot be read."""
-    import ast
-
-    source = "".join(linecache.getlines(file))
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return line, ""
-    best = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.stmt) and node.end_lineno is not None and node.lineno <= line:
-            holds = node.end_lineno >= line
-            ends_before = node.end_lineno < line and not linecache.getline(file, line).strip()
-            if (holds or ends_before) and (
-                best is None or (node.lineno, -node.end_lineno) > (best.lineno, -best.end_lineno)
-            ):
-                best = node
-    if best is None:
-        return line, ""
-    return best.lineno, linecache.getline(file, best.lineno).strip()
-
-
-def user_frame_of(e: BaseException) -> dict[str, Any] | None:
-    """The user's frame of a failure: the last frame dynamo's message names ("from user code: File
-    ..."), else the innermost traceback frame outside torch and gradprobe."""
-    from .evidence.lineage import is_user_file
-
-    named = user_frame_in_text(str(e))
-    if named is not None:
-        return named
-    found = None
-    tb = e.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        file = code.co_filename
-        if is_user_file(file) and not file.startswith("<eval_with_key>") and not _is_stdlib(file):
-            found = tb
-        tb = tb.tb_next
-    if found is None:
-        return None
-    code = found.tb_frame.f_code
-    file, line = code.co_filename, found.tb_lineno
-    out: dict[str, Any] = {"file": file, "line": line, "function": code.co_name,
-                           "code": linecache.getline(file, line).strip()}  # fmt: skip
-    owner = found.tb_frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
-    if owner is not None:
-        out["object_type"] = f"{type(owner).__module__}.{type(owner).__qualname__}"
-    return out
-
-
-def _is_stdlib(path: str) -> bool:
-    """A file of Python's standard library (contextlib, functools...): never the user's frame."""
-    import sysconfig
-
-    path = os.path.abspath(path)
-    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-    return path.startswith(stdlib) and "site-packages" not in path and "dist-packages" not in path
-
-
 def _is_dynamo_error(e: BaseException) -> bool:
-    import sys
-
-    exc = sys.modules.get("torch._dynamo.exc")
+    exc = sys.modules.get("torch._dynamo.exc")  # only if dynamo was imported: no import here
     return exc is not None and isinstance(e, exc.TorchDynamoException)
 
 
