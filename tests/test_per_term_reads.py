@@ -91,6 +91,10 @@ CASES: dict[str, tuple[Callable[[nn.Module, torch.Tensor], dict[str, torch.Tenso
         lambda m, x: {"big": (m[0].weight * 3e37).sum(), "fit": m(x).mean()},
         None,
     ),
+    "a term reaching every third parameter": (
+        lambda m, x: {"fit": m(x).mean(), "some": sum(p.square().sum() for p in list(m.parameters())[1::3])},
+        None,
+    ),
     "custom scenarios, no term alone": (
         lambda m, x: {"a": m(x).mean(), "b": m[0].bias.sum(), "c": m[3].weight.sum()},
         {"ab": ["a", "b"], "bc": ["b", "c"], "abc": ["a", "b", "c"]},
@@ -213,7 +217,12 @@ def test_each_scenario_is_what_an_independent_computation_says(case: str, dtype:
 
 
 @pytest.mark.parametrize(
-    "case", ["three terms, shared and lone parameters", "custom scenarios, no term alone"]
+    "case",
+    [
+        "three terms, shared and lone parameters",
+        "a term reaching every third parameter",
+        "custom scenarios, no term alone",
+    ],
 )
 def test_many_parameter_tensors_are_read_as_a_few_are(case: str):
     # 300 more parameter tensors (tiny blocks that every term reaches, or only the first's).

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradprobe.status
-from gradprobe.status import read, reduce_grads, status_of
+from gradprobe.status import Stacked, Stacking, read, reduce_grads, status_of
 
 
 def test_five_statuses_in_one_batch():
@@ -78,7 +78,9 @@ def test_many_gradients_of_mixed_shapes_keep_their_own_status_and_norm():
     grads[5] = torch.full((4, 4), math.nan)
     grads[13] = torch.tensor([math.inf, 1.0, 2.0, 3.0])
     grads[9] = torch.full((4,), 1e38)  # finite: its float32 L1 sum overflows
-    (first, second), extra = read([grads, grads[::-1]], torch.tensor([1.5, -2.0], dtype=torch.float64))
+    (first, second), extra = read(
+        [_held(grads), _held(grads[::-1])], torch.tensor([1.5, -2.0], dtype=torch.float64)
+    )
     assert extra == [1.5, -2.0]
     for (statuses, norms), gs in ((first, grads), (second, grads[::-1])):
         for g, st, norm in zip(gs, statuses, norms, strict=True):
@@ -95,9 +97,13 @@ def test_many_gradients_of_mixed_shapes_keep_their_own_status_and_norm():
                 assert norm == pytest.approx(exact, rel=1e-5)
 
 
+def _held(grads: list[torch.Tensor | None]) -> Stacked:
+    return Stacking(grads).stack(grads)
+
+
 def test_nothing_to_read():
     assert read([]) == ([], None)
-    assert read([[None, None], []]) == ([(["none", "none"], [None, None]), ([], [])], None)
+    assert read([_held([None, None]), _held([])]) == ([(["none", "none"], [None, None]), ([], [])], None)
     assert read([], torch.tensor([2.0])) == ([], [2.0])
 
 
@@ -166,3 +172,36 @@ def test_every_status_is_decided_by_status_of(monkeypatch):
     assert len(seen) >= 4 and 2.0 in seen and 0.0 in seen and any(map(math.isnan, seen))
     monkeypatch.setattr(gradprobe.status, "status_of", lambda value: "zero")
     assert reduce_grads([torch.ones(3), torch.ones(5)])[0] == ["zero", "zero"]
+
+
+def test_sums_are_out_of_place_and_read_as_per_parameter_sums():
+    # Gradient lists held for a probe's parameters (many small ones of a shape stacked), summed: the
+    # sum of two lists is read as the sum of their gradients, None + g = g, and no tensor of either
+    # list is written into (autograd may hand back a tensor someone else holds).
+    torch.manual_seed(0)
+    params = [torch.zeros(4) for _ in range(40)] + [torch.zeros(3, 3), torch.zeros(1000)]
+    stacking = Stacking(params)
+
+    def grads(missing: int) -> list[torch.Tensor | None]:
+        return [None if i % 5 == missing else torch.randn(p.shape) for i, p in enumerate(params)]
+
+    a, b = grads(0), grads(1)
+    b[7] = torch.sparse_coo_tensor([[1, 3]], [1.0, -2.0], (4,))  # a sparse gradient of a dense parameter
+    b[40] = None
+    b[41] = torch.sparse_coo_tensor([[5]], [3.0], (1000,))
+    before = [None if g is None else g.clone() for g in a + b]
+    total = stacking.stack(a) + stacking.stack(b)
+    assert all(
+        (g is None and h is None) or torch.equal(g.to_dense(), h.to_dense())  # type: ignore[union-attr]
+        for g, h in zip(a + b, before, strict=True)
+    )
+    expected = [
+        x if y is None else y.to_dense() if x is None else x + y.to_dense() for x, y in zip(a, b, strict=True)
+    ]
+    got = total.grads()
+    for g, e in zip(got, expected, strict=True):
+        assert (g is None) == (e is None) and (g is None or torch.equal(g.to_dense(), e))  # type: ignore[union-attr]
+    ((statuses, norms),), _ = read([total])
+    assert statuses == ["none" if e is None else "nonzero" for e in expected]
+    for norm, e in zip(norms, expected, strict=True):
+        assert norm == (None if e is None else pytest.approx(float(e.double().abs().sum()), rel=1e-5))

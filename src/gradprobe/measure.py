@@ -14,7 +14,6 @@ constant number of host syncs per scenario whatever the model's size.
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +29,7 @@ from .flowmap import RunError
 from .frames import frames_of, user_frame_of
 from .scenarios import Scenario
 from .state import reseed
-from .status import read, reduce_grads
+from .status import Stacked, Stacking, read, reduce_grads
 from .step import Weights, check_terms, check_total, make_weights, metrics_of
 
 Grads = list[torch.Tensor | None]
@@ -142,8 +141,9 @@ def per_term(
     forward_share = (time.perf_counter() - start) / max(1, len(scenarios))
     values: torch.Tensor | None = _stacked_values(terms)  # read with the first gradients
     host_values: list[float] | None = None
-    sums: dict[str, Grads | None] = {s.name: None for s in multi}
-    results = {s.name: Measurement(s.name, error=None) for s in scenarios}
+    stacking = Stacking(params)  # how every gradient list of this probe is held (status.py)
+    sums: dict[str, Stacked | None] = {s.name: None for s in multi}
+    results = {s.name: Measurement(s.name) for s in scenarios}
     for k, t in enumerate(needed):
         t0 = time.perf_counter()
         grads: Grads | None = None
@@ -157,23 +157,24 @@ def per_term(
                 )
             except Exception as e:
                 error = run_error("backward", e)
+        stacked = stacking.stack(grads) if grads is not None else None
         for s in multi:
-            m = results[s.name]
+            m, total = results[s.name], sums[s.name]
             if t not in s.terms or m.error is not None:
                 continue
             if error is not None and error.type != "NoGradPath":  # a constant term adds nothing
                 m.error = error
-            elif grads is not None:
-                sums[s.name] = _add(sums[s.name], grads)
+            elif stacked is not None:
+                sums[s.name] = stacked if total is None else total + stacked
         alone = [results[s.name] for s in scenarios if s.terms == (t,)]
-        if grads is not None and alone:
-            [(statuses, norms)], got = read([grads], values)
+        if stacked is not None and alone:
+            [(statuses, norms)], got = read([stacked], values)
             host_values, values = host_values or got, None
             for m in alone:
                 m.statuses, m.norms, m.grads = list(statuses), list(norms), grads if keep else None
         for m in alone:
             m.error, m.seconds = error, (time.perf_counter() - t0) / len(alone)
-        del grads
+        del grads, stacked
     t0 = time.perf_counter()
     for s in multi:
         m = results[s.name]
@@ -184,7 +185,7 @@ def per_term(
     host_values = host_values or got
     for n, (statuses, norms) in zip(summed, read_sums, strict=True):
         m = results[n]
-        m.statuses, m.norms, m.grads = statuses, norms, sums[n] if keep else None
+        m.statuses, m.norms, m.grads = statuses, norms, sums[n].grads() if keep else None  # type: ignore[union-attr]
     for s in multi:
         results[s.name].seconds = (time.perf_counter() - t0) / len(multi)
     named = dict(zip(terms, host_values or [], strict=True))
@@ -195,36 +196,6 @@ def per_term(
         m.seconds += forward_share
     return list(terms), scenarios, [results[s.name] for s in scenarios]
 
-
-def _add(acc: Grads | None, grads: Grads) -> Grads:
-    """``acc + grads`` where None is "no gradient" (None + g = g), never in place.
-
-    A gradient entering an empty slot is held as it is, not copied: autograd may return a tensor
-    someone else holds (a custom ``backward`` that hands back a saved tensor of the user's batch, the
-    same tensor for two parameters, an expanded view), so nothing is ever written into a slot; a
-    second gradient makes a new tensor (one batched out-of-place add for the dense pairs). A sparse
-    gradient (``nn.Embedding(sparse=True)``) or a mix of layouts is added on its own.
-    """
-    if acc is None:
-        return list(grads)
-    both: list[int] = []
-    for i, g in enumerate(grads):
-        if g is not None:
-            if acc[i] is None:
-                acc[i] = g
-            else:
-                both.append(i)
-    firsts, seconds = [acc[i] for i in both], [grads[i] for i in both]
-    if firsts and set(map(_LAYOUT, firsts)) | set(map(_LAYOUT, seconds)) == {torch.strided}:
-        sums = torch._foreach_add(firsts, seconds)  # type: ignore[arg-type]
-    else:  # sparse + dense has no kernel, dense + sparse has: a dense tensor goes first
-        sums = [g + a if g.layout == torch.strided else a + g for a, g in zip(firsts, seconds, strict=True)]  # type: ignore[operator, union-attr]
-    for i, total in zip(both, sums, strict=True):
-        acc[i] = total
-    return acc
-
-
-_LAYOUT = operator.attrgetter("layout")
 
 WeightedCall = Callable[[Weights], object]
 
