@@ -224,9 +224,10 @@ def test_each_scenario_is_what_an_independent_computation_says(case: str, dtype:
         "custom scenarios, no term alone",
     ],
 )
-def test_many_parameter_tensors_are_read_as_a_few_are(case: str):
-    # 300 more parameter tensors (tiny blocks that every term reaches, or only the first's).
-    _check(_measured(case, torch.float32, blocks=150), _expected(case, torch.float32, blocks=150))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_many_parameter_tensors_are_read_as_a_few_are(case: str, dtype: torch.dtype):
+    # 300 more parameter tensors of one shape (tiny blocks that every term reaches, some, or none).
+    _check(_measured(case, dtype, blocks=150), _expected(case, dtype, blocks=150))
 
 
 def test_without_keep_no_gradient_is_kept():
