@@ -358,21 +358,33 @@ def test_a_functional_call_on_copies_shows_the_model_gets_nothing():
 
 
 def test_term_gradients_are_torch_autograd_grads_and_respect_what_intercepts_it(monkeypatch):
-    # per_term takes each term's gradients straight from autograd's engine where
-    # torch.autograd.grad would only prepare the call: the same tensors; and torch.autograd.grad
-    # itself wherever something may intercept it (a replaced function, a TorchFunctionMode).
+    # per_term's gradients are torch.autograd.grad's (the same tensors), and whatever intercepts
+    # torch.autograd.grad (a replaced function, a TorchFunctionMode) sees every term's call.
     from torch.overrides import TorchFunctionMode
 
-    from gradprobe.measure import term_grads
+    from gradprobe.measure import per_term
+    from gradprobe.scenarios import Scenario
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     params = list(model.parameters())
     x = torch.randn(5, 3)
     expected = torch.autograd.grad(model(x).pow(2).sum(), params)
-    got = term_grads(model(x).pow(2).sum(), params, retain_graph=False)
+    scenarios = [Scenario("fit only", ("fit",)), Scenario("head only", ("head",))]
+
+    def measured() -> list:
+        _, _, results = per_term(
+            lambda: {"fit": model(x).pow(2).sum(), "head": model[2].bias.sum() * 1.0},
+            params,
+            None,
+            lambda ts: scenarios,
+            keep=True,
+        )
+        return [m.grads for m in results]
+
+    got, head = measured()
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    assert term_grads(model[2].bias.sum() * 1.0, params, retain_graph=False)[:2] == (None, None)
+    assert head[:3] == [None, None, None] and head[3] is not None
 
     seen: list[str] = []
 
@@ -383,10 +395,10 @@ def test_term_gradients_are_torch_autograd_grads_and_respect_what_intercepts_it(
             return func(*args, **(kwargs or {}))
 
     with Seeing():
-        got = term_grads(model(x).pow(2).sum(), params, retain_graph=False)
-    assert seen == ["mode"] and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        got, _ = measured()
+    assert seen == ["mode", "mode"] and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
     real = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: seen.append("patched") or real(*a, **k))
-    term_grads(model(x).pow(2).sum(), params, retain_graph=False)
-    assert seen[-1] == "patched"
+    measured()
+    assert seen[-2:] == ["patched", "patched"]

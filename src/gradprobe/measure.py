@@ -1,21 +1,20 @@
 """Measuring gradients: the two ways a step's per-scenario gradients are taken.
 
-* ``per_term``: one forward, then one ``autograd.grad`` per term on the retained graph; scenarios with
-  several terms are sums of the per-term gradients. Only for eager execution: a compiled graph must
-  not be differentiated several times (it can error, or with donated buffers give wrong values).
+* ``per_term``: one forward, then one ``torch.autograd.grad`` per term on the retained graph;
+  scenarios with several terms are sums of the per-term gradients. Only for eager execution: a
+  compiled graph must not be differentiated several times (it can error, or with donated buffers give
+  wrong values).
 * ``per_scenario``: one forward and one gradient per scenario, the terms weighted by 0-dim tensors.
   For weights-mode steps and for every compiled variant.
 
-Both return one ``Measurement`` per scenario; statuses are reduced in batches (``status.py``).
+Both return one ``Measurement`` per scenario; statuses are reduced in batches (``status.py``), a
+constant number of host syncs per scenario whatever the model's size.
 """
 
 from __future__ import annotations
 
 import contextlib
-import linecache
-import operator
-import os
-import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -27,10 +26,10 @@ import torch
 from .compare import allclose_excess, cosine_and_scale, relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
+from .frames import frames_of, user_frame_of
 from .scenarios import Scenario
 from .state import reseed
-from .status import Launched, Pending, Plan, launch, plan_for, read_planned, reduce_grads
-from .status import read as read_reductions
+from .status import Stacked, Stacking, read, reduce_grads
 from .step import Weights, check_terms, check_total, make_weights, metrics_of
 
 Grads = list[torch.Tensor | None]
@@ -70,113 +69,8 @@ def run_error(stage: str, e: BaseException) -> RunError:
     return RunError(stage, type(e).__name__, message[:500], user_frame_of(e), frames_of(e))
 
 
-FRAMES = 12  # innermost traceback frames kept with a run error
-
-
-def frames_of(e: BaseException, limit: int = FRAMES) -> tuple[str, ...]:
-    """``"runtime_wrappers.py:2489 in coerce_to_expected_memory_format"`` for the innermost ``limit``
-    frames of the traceback (torch's included), innermost last."""
-    out: list[str] = []
-    tb = e.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        out.append(f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}")
-        tb = tb.tb_next
-    return tuple(out[-limit:])
-
-
-_FROM_USER = re.compile(
-    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>[^\n]+)\n\s*(?P<code>[^\n]*)'
-)
-
-
-def user_frame_in_text(text: str) -> dict[str, Any] | None:
-    """The innermost user frame a printed traceback names (``File "...", line N, in f``)."""
-    from .evidence.lineage import is_user_file
-
-    named = [
-        m.groupdict()
-        for m in _FROM_USER.finditer(text)
-        if is_user_file(m["file"]) and not _is_stdlib(m["file"])
-    ]
-    if not named:
-        return None
-    f = named[-1]
-    file, line = f["file"], int(f["line"])
-    code = f["code"].strip()
-    if code.startswith('File "'):  # the frame printed no source line: the next frame's header was taken
-        code = linecache.getline(file, line).strip()
-    if not code or code[0] in ")]}":
-        # A resumed dynamo frame may name the line after a multi-line call: the statement it ends.
-        line, code = _statement_before(file, line)
-    return {"file": file, "line": line, "function": f["function"].strip(), "code": code}
-
-
-def _statement_before(file: str, line: int) -> tuple[int, str]:
-    """The first line (number and text) of the innermost statement that holds ``line``, or of the last
-    one ending before it when ``line`` is blank; ``(line, "")`` when the file cannot be read."""
-    import ast
-
-    source = "".join(linecache.getlines(file))
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return line, ""
-    best = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.stmt) and node.end_lineno is not None and node.lineno <= line:
-            holds = node.end_lineno >= line
-            ends_before = node.end_lineno < line and not linecache.getline(file, line).strip()
-            if (holds or ends_before) and (
-                best is None or (node.lineno, -node.end_lineno) > (best.lineno, -best.end_lineno)
-            ):
-                best = node
-    if best is None:
-        return line, ""
-    return best.lineno, linecache.getline(file, best.lineno).strip()
-
-
-def user_frame_of(e: BaseException) -> dict[str, Any] | None:
-    """The user's frame of a failure: the last frame dynamo's message names ("from user code: File
-    ..."), else the innermost traceback frame outside torch and gradprobe."""
-    from .evidence.lineage import is_user_file
-
-    named = user_frame_in_text(str(e))
-    if named is not None:
-        return named
-    found = None
-    tb = e.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        file = code.co_filename
-        if is_user_file(file) and not file.startswith("<eval_with_key>") and not _is_stdlib(file):
-            found = tb
-        tb = tb.tb_next
-    if found is None:
-        return None
-    code = found.tb_frame.f_code
-    file, line = code.co_filename, found.tb_lineno
-    out: dict[str, Any] = {"file": file, "line": line, "function": code.co_name,
-                           "code": linecache.getline(file, line).strip()}  # fmt: skip
-    owner = found.tb_frame.f_locals.get("self") if code.co_varnames[:1] == ("self",) else None
-    if owner is not None:
-        out["object_type"] = f"{type(owner).__module__}.{type(owner).__qualname__}"
-    return out
-
-
-def _is_stdlib(path: str) -> bool:
-    """A file of Python's standard library (contextlib, functools...): never the user's frame."""
-    import sysconfig
-
-    path = os.path.abspath(path)
-    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-    return path.startswith(stdlib) and "site-packages" not in path and "dist-packages" not in path
-
-
 def _is_dynamo_error(e: BaseException) -> bool:
-    import sys
-
-    exc = sys.modules.get("torch._dynamo.exc")
+    exc = sys.modules.get("torch._dynamo.exc")  # only if dynamo was imported: no import here
     return exc is not None and isinstance(e, exc.TorchDynamoException)
 
 
@@ -201,30 +95,11 @@ def _stacked_values(values: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The term values as one 1-D tensor on the first value's device (float64 where a value is)."""
     if not values:
         return None
-    tensors = list(values.values())
-    if (
-        len(dtypes := set(map(_DTYPE, tensors))) == 1
-        and dtypes <= _WIDE
-        and set(map(torch.Tensor.dim, tensors)) == {0}
-    ):
-        # The usual case: scalar losses of one dtype, float32 or float64, stacked as they are (a
-        # stack needs one device: a loss on another raises, and is converted below).
-        try:
-            return torch.stack(list(map(torch.Tensor.detach, tensors)))
-        except RuntimeError:
-            pass
-    device = tensors[0].device
+    device = next(iter(values.values())).device
     return torch.stack(
-        [
-            v.detach().reshape(()).to(torch.float64 if v.dtype == torch.float64 else torch.float32).to(device)
-            for v in values.values()
-        ]
-    )
-
-
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-_WIDE = frozenset((torch.float32, torch.float64))
+        [v.detach().reshape(()).to(device, torch.float64 if v.dtype == torch.float64 else torch.float32)
+         for v in values.values()]
+    )  # fmt: skip
 
 
 def per_term(
@@ -237,8 +112,9 @@ def per_term(
     """One forward, one gradient per term, each scenario a sum of its terms' gradients.
 
     Returns the term names (the declared ones, or those the step returned), the scenarios built from
-    them by ``scenarios_for``, and one measurement per scenario (``_Reductions``: one host copy per
-    scenario, the term values with the first).
+    them by ``scenarios_for``, and one measurement per scenario. Each term's gradients are read (one
+    copy to the host, the term values riding on the first) and released before the next backward,
+    except where a scenario of several terms sums them; the sums are read together at the end.
     """
     start = time.perf_counter()
     try:
@@ -262,43 +138,12 @@ def per_term(
     scenarios = scenarios_for(list(terms))
     needed = [t for t in terms if any(t in s.terms for s in scenarios)]
     multi = [s for s in scenarios if len(s.terms) > 1]
-    # A few gradients (a small model) are all held and reduced after the last backward, read at once:
-    # the backward passes run back to back, as in a plain training step (gradprobe's bookkeeping in
-    # between slows the next one down: its caches go cold), and there is one copy to the host per
-    # probe instead of one per scenario. More are reduced and read term by term, so that each term's
-    # are released before the next backward (see _Reductions).
-    hold = len(params) <= HELD_TENSORS
-    forward_seconds = time.perf_counter() - start
-    plan: Plan | None = None
-    reductions: _Reductions | None = None
-    sums: dict[str, _Sum] = {}
-    acc_error: dict[str, RunError | None] = {s.name: None for s in multi}
-    results: dict[str, Measurement] = {}
-    by_term: dict[str, Measurement] = {}
-
-    def take(t: str, grads: Grads | None, error: RunError | None, seconds: float) -> None:
-        """One term's gradients into its own scenario and the sums of the scenarios it is part of."""
-        nonlocal plan, reductions
-        if reductions is None:  # set up at the first term: after the backward passes when held
-            plan = plan_for(params) if needed else None
-            reductions = _Reductions(
-                list(terms), _stacked_values(terms), keep, plan, hold and plan is not None
-            )
-            sums.update((s.name, _Sum(plan)) for s in multi)
-        t0 = time.perf_counter() - seconds  # a measurement's seconds count its backward
-        launched = plan.take(grads) if plan is not None and grads is not None else None
-        for s in scenarios:
-            if s.terms == (t,):
-                results[s.name] = by_term[t] = reductions.add(s.name, grads, error, t0, launched=launched)
-        for s in multi:
-            if t not in s.terms:
-                continue
-            if error is not None and error.type != "NoGradPath":
-                acc_error[s.name] = acc_error[s.name] or error
-            elif grads is not None:
-                sums[s.name].add(grads, launched, t)
-
-    held: list[tuple[str, Grads | None, RunError | None, float]] = []
+    forward_share = (time.perf_counter() - start) / max(1, len(scenarios))
+    values: torch.Tensor | None = _stacked_values(terms)  # read with the first gradients
+    host_values: list[float] | None = None
+    stacking = Stacking(params)  # how every gradient list of this probe is held (status.py)
+    sums: dict[str, Stacked | None] = {s.name: None for s in multi}
+    results = {s.name: Measurement(s.name) for s in scenarios}
     for k, t in enumerate(needed):
         t0 = time.perf_counter()
         grads: Grads | None = None
@@ -307,310 +152,49 @@ def per_term(
             error = no_grad_path(f"term {t!r}")
         else:
             try:
-                grads = list(term_grads(terms[t], params, retain_graph=k < len(needed) - 1))
+                grads = list(
+                    torch.autograd.grad(terms[t], params, retain_graph=k < len(needed) - 1, allow_unused=True)
+                )
             except Exception as e:
                 error = run_error("backward", e)
-        if hold:
-            held.append((t, grads, error, time.perf_counter() - t0))
-        else:
-            take(t, grads, error, time.perf_counter() - t0)
-        del grads
-    for item in held:
-        take(*item)
-    held.clear()
-    if reductions is None:  # no term to differentiate
-        reductions = _Reductions(list(terms), _stacked_values(terms), keep)
+        stacked = stacking.stack(grads) if grads is not None else None
+        for s in multi:
+            m, total = results[s.name], sums[s.name]
+            if t not in s.terms or m.error is not None:
+                continue
+            if error is not None and error.type != "NoGradPath":  # a constant term adds nothing
+                m.error = error
+            elif stacked is not None:
+                sums[s.name] = stacked if total is None else total + stacked
+        alone = [results[s.name] for s in scenarios if s.terms == (t,)]
+        if stacked is not None and alone:
+            [(statuses, norms)], got = read([stacked], values)
+            host_values, values = host_values or got, None
+            for m in alone:
+                m.statuses, m.norms, m.grads = list(statuses), list(norms), grads if keep else None
+        for m in alone:
+            m.error, m.seconds = error, (time.perf_counter() - t0) / len(alone)
+        del grads, stacked
+    t0 = time.perf_counter()
     for s in multi:
-        t0 = time.perf_counter()
-        error = acc_error[s.name]
-        total = sums.pop(s.name)
-        if error is None and total.empty:
-            error = no_grad_path(f"no term of scenario {s.name!r}")
-        if error is not None:
-            results[s.name] = reductions.add(s.name, None, error, t0)
-        else:
-            results[s.name] = total.measure(reductions, s.name, t0, by_term)
-    reductions.read()
+        m = results[s.name]
+        if m.error is None and sums[s.name] is None:
+            m.error = no_grad_path(f"no term of scenario {s.name!r}")
+    summed = [s.name for s in multi if results[s.name].error is None]
+    read_sums, got = read([sums[n] for n in summed], values)  # type: ignore[misc]
+    host_values = host_values or got
+    for n, (statuses, norms) in zip(summed, read_sums, strict=True):
+        m = results[n]
+        m.statuses, m.norms, m.grads = statuses, norms, sums[n].grads() if keep else None  # type: ignore[union-attr]
+    for s in multi:
+        results[s.name].seconds = (time.perf_counter() - t0) / len(multi)
+    named = dict(zip(terms, host_values or [], strict=True))
+    finite = [v for v in named.values() if v is not None]
     for m in results.values():
-        m.seconds += forward_seconds / len(scenarios)
+        m.term_values = dict(named)
+        m.total = (sum(finite) if finite else None) if m.statuses is not None else None
+        m.seconds += forward_share
     return list(terms), scenarios, [results[s.name] for s in scenarios]
-
-
-# torch.autograd.grad as torch ships it, and the engine call it ends in (torch 2.2 and later).
-_TORCH_GRAD = torch.autograd.grad
-_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
-_has_torch_function = torch._C._has_torch_function
-
-
-def term_grads(term: torch.Tensor, params: Sequence[torch.Tensor], retain_graph: bool) -> Sequence[Any]:
-    """``torch.autograd.grad(term, params, retain_graph=retain_graph, allow_unused=True)``.
-
-    Where that call would do nothing but prepare its arguments and call autograd's engine (a plain
-    real scalar tensor, no ``__torch_function__`` on it or the parameters, no function mode, and
-    ``torch.autograd.grad`` itself not replaced by a user or a recorder), the engine is called
-    directly with what ``grad`` would pass it (a grad_output of ones like the term): ``grad``'s
-    argument checks cost a Python call per parameter and an import per call, about a tenth of a
-    small model's backward, three times per probe."""
-    if (
-        _ENGINE_RUN_BACKWARD is None
-        or torch.autograd.grad is not _TORCH_GRAD
-        or type(term) is not torch.Tensor
-        or term.is_complex()
-        or term.is_nested
-        or _has_torch_function((term, *params))
-    ):
-        return torch.autograd.grad(term, params, retain_graph=retain_graph, allow_unused=True)
-    ones = torch.ones_like(term, memory_format=torch.preserve_format)
-    return _ENGINE_RUN_BACKWARD(
-        (term,), (ones,), retain_graph, False, tuple(params), True, accumulate_grad=False
-    )
-
-
-class _Sum:
-    """A scenario of several terms: the sum of its terms' gradients, built term by term.
-
-    With a ``Plan``, the small gradients are summed as the plan's stacked groups (one add per group;
-    the stacks are each term's own copies, never written), the others one by one as ``_add`` does;
-    a term whose gradients the plan could not launch (a sparse one) turns the sum into ``_add``'s
-    per-parameter list from there on. ``who[i]``: the one term whose gradient the sum holds
-    unchanged at ``i`` (``_SUMMED`` once two were added): its status and norm are that term's own
-    (``_known``), not reduced again."""
-
-    def __init__(self, plan: Plan | None) -> None:
-        self.plan = plan
-        self.stacks: list[torch.Tensor | None] = [None] * len(plan.stacks) if plan is not None else []
-        self.present: list[bool] | None = None  # any term's gradient, per parameter
-        self.acc: Grads | None = None  # per parameter (no plan), or per plan.singles
-        self.who: list[str | None] = [None] * len(plan.singles) if plan is not None else []
-        self.empty = True
-
-    def add(self, grads: Grads, launched: Launched | None, term: str) -> None:
-        self.empty = False
-        if self.plan is not None and launched is None:  # unplanned from here on: per parameter
-            self.acc, self.who = self.per_parameter(), self.who_per_parameter()
-            self.plan = None
-        plan = self.plan
-        if plan is None:
-            if len(self.who) != len(grads):
-                self.who = [None] * len(grads)
-            self.acc = _add(self.acc, grads, self.who, term)
-            return
-        assert launched is not None
-        present = launched.present
-        self.present = present if self.present is None else list(map(operator.or_, self.present, present))
-        for j, stacked in enumerate(launched.stacks):
-            if stacked is not None:
-                now = self.stacks[j]
-                self.stacks[j] = stacked if now is None else now + stacked
-        if plan.single_getter is not None:
-            self.acc = _add(self.acc, list(plan.single_getter(grads)), self.who, term)
-
-    def per_parameter(self) -> Grads | None:
-        """The sum so far, one tensor (or None) per parameter."""
-        plan = self.plan
-        if plan is None:
-            return self.acc
-        if self.present is None:
-            return None
-        out: Grads = [None] * plan.size
-        for (idx, _, _), stacked in zip(plan.stacks, self.stacks, strict=True):
-            if stacked is not None:
-                for i, g in zip(idx, stacked.unbind(0), strict=True):
-                    out[i] = g
-        for i, g in zip(plan.singles, self.acc or (), strict=True):
-            out[i] = g
-        return [g if p else None for g, p in zip(out, self.present, strict=True)]
-
-    def who_per_parameter(self) -> list[str | None]:
-        plan = self.plan
-        if plan is None:
-            return self.who
-        who: list[str | None] = [_SUMMED] * plan.size
-        for i, w in zip(plan.singles, self.who, strict=True):
-            who[i] = w
-        return who
-
-    def measure(
-        self, reductions: _Reductions, name: str, t0: float, by_term: Mapping[str, Measurement]
-    ) -> Measurement:
-        known = _known(self.who, by_term)
-        plan = self.plan
-        if plan is None:
-            return reductions.add(name, self.acc, None, t0, known)
-        # The singles whose status and norm another measurement already has (``known``: the sum holds
-        # one term's gradient unchanged there) are not reduced again.
-        singles = [None if j in known else g for j, g in enumerate(self.acc or [None] * len(plan.singles))]
-        assert self.present is not None
-        launched = Launched(self.per_parameter, self.present, all(self.present), self.stacks, singles)
-        # ``known`` indexes plan.singles: in parameter order for the measurement.
-        return reductions.add(
-            name, None, None, t0, {plan.singles[j]: m for j, m in known.items()}, launched=launched
-        )
-
-
-HELD_TENSORS = 64  # parameter tensors up to which every scenario is read at once (per_term)
-
-
-def _set_read(
-    items: Sequence[tuple[Measurement, Any, dict[int, Measurement]]],
-    results: Sequence[tuple[list[str], list[float | None]]],
-) -> None:
-    """Each measurement's statuses and norms as read, those ``known`` taken from the measurement that
-    has them (read before: added earlier)."""
-    for (m, _, known), (statuses, norms) in zip(items, results, strict=True):
-        for i, other in known.items():
-            statuses[i], norms[i] = other.statuses[i], other.norms[i]  # type: ignore[index]
-        m.statuses, m.norms = statuses, norms
-
-
-class _Reductions:
-    """Measurements whose gradients are reduced as they come, one copy to the host per scenario
-    (per device), the term values riding on the first: the syncs per scenario do not depend on the
-    model. Each term's gradients are read, then released, before the next backward: holding every
-    term's (to read them all at once) would hold tens of thousands of tensors through the next
-    backward at 8,192 parameter tensors, enough to set off a full garbage collection there (0.2 s),
-    and hold more memory. With ``hold`` (a few parameter tensors, ``HELD_TENSORS``), the gradients a
-    ``Plan`` took are held and read all at once by ``read()``: one copy to the host per probe."""
-
-    def __init__(
-        self,
-        terms: list[str],
-        values: torch.Tensor | None,
-        keep: bool,
-        plan: Plan | None = None,
-        hold: bool = False,
-    ) -> None:
-        self.terms = terms
-        self.values = values  # read with the first batch of norms
-        self.keep = keep
-        self.plan = plan
-        self.hold = hold
-        self.host_values: dict[str, float | None] | None = None
-        self.pending: list[tuple[Measurement, Pending, dict[int, Measurement]]] = []
-        self.planned: list[tuple[Measurement, Launched, dict[int, Measurement]]] = []
-        self.measurements: list[Measurement] = []
-
-    def add(
-        self,
-        name: str,
-        grads: Grads | None,
-        error: RunError | None,
-        t0: float,
-        known: dict[int, Measurement] | None = None,
-        launched: Launched | None = None,
-    ) -> Measurement:
-        """A measurement of ``grads`` (``known``: parameters whose status and norm are another
-        pending or read measurement's, taken from it instead of reduced again; ``launched``: the
-        plan's take of them)."""
-        m = Measurement(name, error=error)
-        self.measurements.append(m)
-        if launched is not None and error is None:
-            if self.keep:
-                m.grads = list(launched.gradients())
-            self.planned.append((m, launched, known or {}))
-        elif grads is not None and error is None:
-            if self.keep:
-                m.grads = grads
-            known = known or {}
-            p = launch([None if i in known else g for i, g in enumerate(grads)] if known else grads)
-            self.pending.append((m, p, known))
-        m.seconds = time.perf_counter() - t0
-        if not (self.hold and launched is not None):
-            self.read()
-        return m
-
-    def read(self) -> None:
-        """Statuses and norms of every pending measurement; the term values and totals of all."""
-        t0 = time.perf_counter()
-        read = [m for m, _, _ in self.planned] + [m for m, _, _ in self.pending]
-        if self.planned:
-            assert self.plan is not None
-            # The term values ride on the copy to the host where they are on the norms' device.
-            extra = (
-                self.values
-                if self.values is not None and self.values.device == self.plan.like.device
-                else None
-            )
-            results, values = read_planned(self.plan, [x for _, x, _ in self.planned], extra)
-            if extra is not None:
-                self._values_read(values)
-            _set_read(self.planned, results)
-            self.planned.clear()
-        if self.pending or self.host_values is None:
-            results, values = read_reductions([p for _, p, _ in self.pending], self.values)
-            if self.host_values is None:
-                self._values_read(values)
-            _set_read(self.pending, results)
-            self.pending.clear()
-        share = (time.perf_counter() - t0) / max(1, len(read))
-        for m in read:
-            m.seconds += share
-        assert self.host_values is not None
-        finite = [v for v in self.host_values.values() if v is not None]
-        for m in self.measurements:
-            m.term_values = dict(self.host_values)
-            if m.statuses is not None:
-                m.total = sum(finite) if finite else None
-
-    def _values_read(self, values: list[float] | None) -> None:
-        self.host_values = dict(zip(self.terms, values or [], strict=True))
-        self.values = None
-
-
-def _add(acc: Grads | None, grads: Grads, who: list[str | None], term: str) -> Grads:
-    """``acc + grads`` where None is "no gradient" (None + g = g), never in place; ``who[i]`` records
-    which term the sum at ``i`` holds unchanged (``term`` where it is the first, ``_SUMMED`` once a
-    second one is added), in the same pass.
-
-    A gradient entering an empty slot is held as it is, not copied: autograd may return a tensor
-    someone else holds (a custom ``backward`` that hands back a saved tensor of the user's batch, the
-    same tensor for two parameters, an expanded view), so nothing is ever written into a slot; a
-    second gradient makes a new tensor (one batched out-of-place add for the dense pairs). Most
-    parameters are reached by one term: their slots cost nothing (no copy of thousands of
-    gradients). A sparse gradient (``nn.Embedding(sparse=True)``) or a mix of layouts is added on its
-    own.
-    """
-    if acc is None:
-        for i, g in enumerate(grads):
-            if g is not None:
-                who[i] = term
-        return list(grads)
-    dense: list[int] = []
-    strided = torch.strided
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        a = acc[i]
-        if a is None:
-            acc[i] = g
-            who[i] = term
-            continue
-        who[i] = _SUMMED
-        if a.layout == strided and g.layout == strided:
-            dense.append(i)
-        else:
-            # Sparse + sparse, or a mix: a dense tensor goes first (sparse + dense has no kernel;
-            # dense + sparse has).
-            acc[i] = g + a if g.layout == strided else a + g
-    if dense:
-        sums = torch._foreach_add([acc[i] for i in dense], [grads[i] for i in dense])  # type: ignore[misc]
-        for i, total in zip(dense, sums, strict=True):
-            acc[i] = total
-    return acc
-
-
-_SUMMED = "\0summed"  # not a term name: a term name is a str the step returned, never this one
-
-
-def _known(alone: list[str | None], by_term: Mapping[str, Measurement]) -> dict[int, Measurement]:
-    """Parameters whose status and norm a sum shares with one term: where only that term reached the
-    parameter, the sum's gradient is that term's gradient (the same values), reduced on its own."""
-    known: dict[int, Measurement] = {}
-    for i, t in enumerate(alone):
-        m = by_term.get(t) if t is not None and t != _SUMMED else None
-        if m is not None and m.error is None:
-            known[i] = m
-    return known
 
 
 WeightedCall = Callable[[Weights], object]

@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 import torch
 
-from ..measure import Measurement, user_frame_in_text
+from ..frames import user_frame_in_text
+from ..measure import Measurement
 
 DOUBLE_BACKWARD = "does not currently support double backward"
 _FORWARD_TRACE = "Traceback of forward call that caused the error"

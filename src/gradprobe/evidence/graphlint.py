@@ -6,29 +6,15 @@ nodes map back to module and source line; for graphs gradprobe did not trace, no
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
-
-
-def user_frame(stack_trace: str | None) -> dict[str, Any] | None:
-    """The innermost frame of a node's stack trace that is not torch's or gradprobe's own machinery."""
-    if not stack_trace:
-        return None
-    frames = [m.groupdict() for m in _FRAME.finditer(stack_trace)]
-    for f in reversed(frames):
-        path = f["file"].replace("\\", "/")
-        if "/torch/" in path or ("/gradprobe/" in path and "/gradprobe/zoo/" not in path):
-            continue
-        return {"file": f["file"], "line": int(f["line"]), "function": f["func"], "code": f["code"].strip()}
-    return None
+from ..frames import user_frame_in_stack_trace
 
 
 def _describe(node: torch.fx.Node) -> dict[str, Any]:
-    where = user_frame(node.meta.get("stack_trace")) or {}
+    where = user_frame_in_stack_trace(node.meta.get("stack_trace")) or {}
     target = node.target
     return {"node": node.name, "op": getattr(target, "__name__", str(target)), **where}
 

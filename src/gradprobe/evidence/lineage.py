@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .graphlint import user_frame
+from ..frames import FX_CODE, TORCH_DIR, is_user_file, user_frame_in_stack_trace
 
 # Kinds of cut site.
 DETACH, DATA, NO_GRAD, INFERENCE = "detach", "data", "no_grad", "inference_mode"
@@ -72,10 +72,6 @@ KINDS = (
     *LEAVING,
 )
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_ZOO_DIR = os.path.join(_OWN_DIR, "zoo") + os.sep
-_FX_CODE = "<eval_with_key>"
 _FX_LINE = re.compile(r"^\s*(\w+)\s*=")
 
 # aten ops whose outputs do not depend on their inputs' values (shapes only, or fresh values).
@@ -178,15 +174,6 @@ def _floating(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-@functools.cache
-def is_user_file(path: str) -> bool:
-    """User code: outside torch and gradprobe, except the zoo (reference models written like user code)."""
-    if path.startswith(_FX_CODE):
-        return True
-    path = os.path.abspath(path)
-    return path.startswith(_ZOO_DIR) or not path.startswith((_TORCH_DIR, _OWN_DIR))
-
-
 class _Site:
     """A cut site while it is being recorded: widened by every later pass of the same place."""
 
@@ -261,7 +248,7 @@ class _Recorder:
         if frame is None:
             return {"module": module, "module_type": mtype, "file": "", "line": 0, "code": ""}
         file, line = frame.f_code.co_filename, frame.f_lineno
-        if file.startswith(_FX_CODE):
+        if file.startswith(FX_CODE):
             return self._fx_where(frame, module, mtype)
         if grad_off:
             opened = _grad_off_frame(frame)
@@ -291,7 +278,7 @@ class _Recorder:
             "container": "fx", "node": node_name,
         }  # fmt: skip
         if node is not None:
-            user = user_frame(node.meta.get("stack_trace"))
+            user = user_frame_in_stack_trace(node.meta.get("stack_trace"))
             if user is not None:
                 out.update(file=user["file"], line=user["line"], code=user["code"])
             producer = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
@@ -540,7 +527,7 @@ def _all_finite(tensors: Iterable[Tensor]) -> bool:
 
 
 _GRAD_OFF = ("no_grad", "inference_mode", "set_grad_enabled(False)", "enable_grad(False)")
-_FUNCTION_FILE = os.path.join(_TORCH_DIR, "autograd", "function.py")
+_FUNCTION_FILE = os.path.join(TORCH_DIR, "autograd", "function.py")
 
 
 def _custom_function_caller() -> Any:
@@ -583,7 +570,7 @@ def _grad_off_frame(frame: Any) -> Any:
     """The innermost user frame whose current line lies inside a block that turns grad mode off."""
     while frame is not None:
         file = frame.f_code.co_filename
-        user = is_user_file(file) and not file.startswith(_FX_CODE)
+        user = is_user_file(file) and not file.startswith(FX_CODE)
         if user and any(a <= frame.f_lineno <= b for a, b in _grad_off_spans(file)):
             return frame
         frame = frame.f_back

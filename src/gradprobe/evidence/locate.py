@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook
 
-from .lineage import CutSite, is_user_file, recording, tensors_in
+from ..frames import is_user_file
+from .lineage import CutSite, recording, tensors_in
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _NAN_NODE = re.compile(r"Function '(?P<node>\w+)' returned nan")
