@@ -27,8 +27,8 @@ from .compare import allclose_excess, cosine_and_scale, relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .frames import frames_of, user_frame_of
+from .rng import reseed
 from .scenarios import Scenario
-from .state import reseed
 from .status import Stacked, Stacking, read, reduce_grads
 from .step import Weights, check_terms, check_total, make_weights, metrics_of
 

@@ -23,7 +23,6 @@ import torch
 from .model_state import restore_model, snapshot_model
 from .process_state import CONFIG_MODULES, restore_globals, save_globals
 from .process_state import contained as contained
-from .rng import reseed as reseed  # measure.py imports it from here until it imports rng
 
 # ----- the guarantee ----------------------------------------------------------------------------------
 
