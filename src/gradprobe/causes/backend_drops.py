@@ -9,11 +9,8 @@ from __future__ import annotations
 from ..evidence.compiler_passes import culprit as culprit_pass
 from ..flowmap import Finding, FlowMap
 from .common import differing, runs_of
-from .facts import BISECTIONS
 
 CAUSE = "backend-drops-grads"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({BISECTIONS})
 OWN = "the path's own backend"  # every override rung was right (evidence.bisect._generic_flips)
 
 

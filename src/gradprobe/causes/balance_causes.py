@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import names
-from .facts import CHECKS
 
 
 def _percent(share: float) -> str:
@@ -31,10 +30,6 @@ def _against(d: dict) -> str:
         for i, (u, v) in enumerate(others.items())
     ]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -6,11 +6,8 @@ from __future__ import annotations
 from ..compare import EXTRA, MISSING, WRONG
 from ..flowmap import Finding, FlowMap
 from .common import Explained, names
-from .facts import VARIANTS
 
 CAUSE = "flow-mismatch"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
 
 
 def mismatch_summary(fm: FlowMap, variant: str, scenario: str) -> dict[str, object] | None:

@@ -13,13 +13,10 @@ from typing import Any
 
 from ..flowmap import Finding, FlowMap
 from .common import differing, names, runs_of, where
-from .facts import VARIANTS
 from .flow_mismatch import mismatch_summary
 from .lineage_cuts import cause_of, explained_runs, places
 
 CAUSE = "makefx-detach"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
 DEFAULT_FIX = (
     "trace with detach decomposed to an alias (knob detach=alias; "
     "gradprobe.build.NO_DETACH_DECOMPOSITION as make_fx's decomposition_table) or strip the "

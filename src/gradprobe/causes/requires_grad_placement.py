@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, names, runs_of, where
-from .facts import LINEAGE
 
 CAUSE = "requires-grad-placement"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({LINEAGE})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import names
-from .facts import VARIANTS
 
 CAUSE = "frozen-trace"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

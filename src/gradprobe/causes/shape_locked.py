@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import names
-from .facts import CHECKS
 
 CAUSE = "shape-locked"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:
