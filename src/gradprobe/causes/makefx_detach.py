@@ -13,7 +13,6 @@ from typing import Any
 
 from ..flowmap import Finding, FlowMap
 from .common import differing, names, runs_of, where
-from .flow_mismatch import mismatch_summary
 from .lineage_cuts import cause_of, explained_runs, places
 
 CAUSE = "makefx-detach"
@@ -82,7 +81,7 @@ def _finding(
     graph: dict[str, Any],
     bis: Any,
 ) -> Finding:
-    summaries = [s for s in (mismatch_summary(fm, v, sc) for sc in bad) if s]
+    summaries = [s for s in (fm.mismatch(v, sc) for sc in bad) if s]
     worst = max(summaries, key=lambda s: (len(s["missing"]), len(s["wrong"])))
     lost = sorted({p for s in summaries for p in s["missing"]})
     err = worst["max_rel_error"]

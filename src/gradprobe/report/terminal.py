@@ -7,7 +7,6 @@ import math
 from collections.abc import Sequence
 
 from ..causes.common import names, note_for
-from ..causes.flow_mismatch import mismatch_summary
 from ..flowmap import Finding, FlowMap, RunError
 from .controls import visible
 
@@ -108,7 +107,7 @@ def interpretation_lines(fm: FlowMap) -> list[str]:
                 continue
             if ref_run.error is not None:
                 continue
-            summary = mismatch_summary(fm, v, s)
+            summary = fm.mismatch(v, s)
             if summary is None:
                 continue
             lines.append(f"{s}, {v}: {_meaning(fm, v, s, summary)}")
