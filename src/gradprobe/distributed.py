@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import with_differentiable_inputs
-from .causes.common import names, note_for
+from .declarations import note_for
 from .diagnose import diagnose as diagnose_map
 from .errors import GradProbeError, SpecError
 from .flowmap import Cell, Finding, FlowMap, Run, RunError, VariantInfo
@@ -47,6 +47,7 @@ from .state import preserved
 from .status import INF, NAN, NONE, NONZERO, ZERO, reduce_grads, status_of
 from .step import check_terms, check_total, make_weights
 from .variants import VariantSpec, parse_variants
+from .wording import names
 
 __all__ = [
     "CAUSES",

@@ -14,7 +14,7 @@ clip-swallows-term (error): gradient clipping, set by another term's norm, shrin
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names
+from ..wording import names
 
 
 def _percent(share: float) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ..declarations import note_for, unmet
 from ..flowmap import Finding, FlowMap
-from .common import names, where
+from ..wording import names
+from .common import where
 from .lineage_cuts import places
 
 CAUSE = "expectation-unmet"

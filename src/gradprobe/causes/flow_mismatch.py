@@ -4,7 +4,8 @@ and no more specific cause in the catalogue explains it."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import Explained, names
+from ..wording import names
+from .common import Explained
 
 CAUSE = "flow-mismatch"
 

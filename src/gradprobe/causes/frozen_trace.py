@@ -12,7 +12,8 @@ frozen values by their effect on another batch.
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names, where
+from ..wording import names
+from .common import where
 from .lineage_cuts import TOTAL, cause_of, unreached_in
 
 CAUSE = "frozen-trace"

@@ -10,8 +10,10 @@ trace). Parameters a note declares as intended (``notes``) turn the error into i
 
 from __future__ import annotations
 
+from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
-from .common import names, note_for, where
+from ..wording import names
+from .common import where
 from .lineage_cuts import TOTAL, cause_of, explained_runs, places, status_words, where_seen
 
 CAUSE = "graph-break-in-model"

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..flowmap import Finding, FlowMap
-from .common import differing, names, runs_of, where
+from ..wording import names
+from .common import differing, runs_of, where
 from .lineage_cuts import cause_of, explained_runs, places
 
 CAUSE = "makefx-detach"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
-from .common import names, where
+from ..wording import names
+from .common import where
 
 CAUSE = "nonfinite-grad"
 

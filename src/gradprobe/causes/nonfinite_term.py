@@ -14,7 +14,7 @@ import math
 
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
-from .common import names
+from ..wording import names
 
 CAUSE = "nonfinite-term"
 

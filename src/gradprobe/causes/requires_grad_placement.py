@@ -7,7 +7,8 @@ not use, and runs of that path with no gradient path or nothing reached."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import failed_runs, names, runs_of, where
+from ..wording import names
+from .common import failed_runs, runs_of, where
 
 CAUSE = "requires-grad-placement"
 

@@ -4,7 +4,7 @@ second batch of the same shapes: the trace froze trace-time tensors (``pre_dispa
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names
+from ..wording import names
 
 CAUSE = "frozen-trace"
 

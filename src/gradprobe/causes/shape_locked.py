@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names
+from ..wording import names
 
 CAUSE = "shape-locked"
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..causes.common import names, note_for
+from ..declarations import note_for
 from ..flowmap import Finding, FlowMap, RunError
+from ..wording import names
 from .controls import visible
 
 LABEL_WIDTH = 23
