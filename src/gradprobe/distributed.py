@@ -226,7 +226,7 @@ def _is_plain_eager(v: VariantSpec) -> bool:
     return v.capture == "eager" and v.backend is None and not v.knobs
 
 
-def _gather_or_raise(payload: Any, error: BaseException | None, group: Any) -> list[Any]:
+def gather_or_raise(payload: Any, error: BaseException | None, group: Any) -> list[Any]:
     """all_gather_object of each rank's payload; if any rank failed, every rank raises its message."""
     world = dist.get_world_size(group)
     item: dict[str, Any]
@@ -296,8 +296,8 @@ def probe_distributed(
         local_spec = replace(spec, model=inner, step=_redirected(spec.step, inner, ddp), mode=mode)
         return model, kind, inner, ddp, mode, local_spec, parse_variants(variants or spec.variants or "eager")
 
-    prepared, error = _attempt(prepare)
-    _gather_or_raise(None, error, group)  # every rank stops if one cannot build its model or spec
+    prepared, error = attempt(prepare)
+    gather_or_raise(None, error, group)  # every rank stops if one cannot build its model or spec
     model, kind, inner, ddp, mode, local_spec, parsed = prepared
     want_reduced = any(_is_plain_eager(v) for v in parsed)
 
@@ -305,7 +305,7 @@ def probe_distributed(
     reduced: dict[str, tuple[list[str], list[float | None]] | None] = {}
     source = None
     with _fsdp_unsharded(inner) if kind == "fsdp2" else contextlib.nullcontext():
-        local, error = _attempt(
+        local, error = attempt(
             lambda: probe(
                 local_spec,
                 variants=parsed,
@@ -315,7 +315,7 @@ def probe_distributed(
                 progress=progress and dist.get_rank(group) == 0,
             )
         )
-        gathered = _gather_or_raise(None if local is None else local.to_dict(), error, group)
+        gathered = gather_or_raise(None if local is None else local.to_dict(), error, group)
         maps = [FlowMap.from_dict(d) for d in gathered]
         assert local is not None
         _same_parameters(maps)
@@ -326,8 +326,8 @@ def probe_distributed(
         if want_reduced and not sharded:
             # 2a. the reduced gradient of each scenario: local eager gradients, all-reduced
             params = [p for _, p in inner.named_parameters() if p.requires_grad]
-            kept, error = _attempt(lambda: _local_gradients(local_spec, inner, mode, local))
-            _gather_or_raise(None, error, group)
+            kept, error = attempt(lambda: _local_gradients(local_spec, inner, mode, local))
+            gather_or_raise(None, error, group)
             assert kept is not None
             reduced = _allreduce_gradients(kept, params, failed, group, _comm_device(params))
             source = "all-reduce of the local gradients"
@@ -352,7 +352,7 @@ def probe_distributed(
     return merge_maps(maps, reduced, divergence, info)
 
 
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+def attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     """(result, None), or (None, the exception): every rank must reach the next collective."""
     try:
         return fn(), None
