@@ -506,7 +506,8 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
     import torch
     import torch.distributed as dist
 
-    from .distributed import attempt, gather_or_raise, init_from_env, probe_distributed, render_ranks
+    from .distributed import attempt, gather_or_raise, init_from_env, probe_distributed
+    from .report.ranks import render_ranks
 
     created = init_from_env()
     rank = dist.get_rank()

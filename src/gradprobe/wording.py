@@ -14,6 +14,11 @@ def names(items: Iterable[str], limit: int = 8) -> str:
     return shown + (f" … and {len(items) - limit} more" if len(items) > limit else "")
 
 
+def rank_list(ranks: Iterable[int]) -> str:
+    """'0, 2' for ranks 0 and 2; 'none' for no rank."""
+    return ", ".join(str(r) for r in ranks) or "none"
+
+
 def op_name(info: Any) -> str:
     """``<OpOverload(op='aten.native_dropout', overload='default')>`` -> ``aten.native_dropout``."""
     text = str(info or "")
