@@ -1,9 +1,4 @@
 import functools
-import os
-
-# Every diagnosis in the suite also runs every detector, ungated, and fails on a difference: a cause's
-# READS (causes/facts.py) that leaves out evidence it reads is caught on every flow map built here.
-os.environ.setdefault("GRADPROBE_VERIFY_GATES", "1")
 
 import pytest
 import torch

@@ -24,7 +24,9 @@ import pytest
 import torch
 
 import gradprobe
-from gradprobe.distributed import DDP_ERROR, merge_maps, render_ranks
+from gradprobe.causes.ddp_locally_unused import DDP_ERROR
+from gradprobe.distributed import merge_maps
+from gradprobe.report.ranks import render_ranks
 
 HERE = Path(__file__).resolve()
 TIMEOUT = 120

@@ -506,7 +506,8 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
     import torch
     import torch.distributed as dist
 
-    from .distributed import _attempt, _gather_or_raise, init_from_env, probe_distributed, render_ranks
+    from .distributed import attempt, gather_or_raise, init_from_env, probe_distributed
+    from .report.ranks import render_ranks
 
     created = init_from_env()
     rank = dist.get_rank()
@@ -516,7 +517,7 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
         device = args.device
         if device is None and torch.cuda.is_available():
             device = f"cuda:{torch.cuda.current_device()}"
-        spec, error = _attempt(
+        spec, error = attempt(
             lambda: loaded.enter_context(
                 load_spec(
                     args.target,
@@ -529,7 +530,7 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
         )
         if error is None and _is_adapter(spec):
             error = SpecError("a trainer adapter cannot be probed with --nproc: run it without")
-        _gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
+        gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
         with _shown_if(args.verbose):
             fm = probe_distributed(
                 spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks,

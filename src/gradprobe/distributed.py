@@ -15,9 +15,10 @@ model runs its step under ``no_sync()``. The local flow maps are gathered to eve
   not make a parameter unreached;
 * parameter values are compared across ranks with a float64 checksum per parameter.
 
-Every rank returns the same merged map. ``checks["distributed"]`` holds the per-rank detail and the
-findings ``ddp-locally-unused``, ``ddp-globally-unused`` and ``rank-divergence`` say what DDP (or FSDP)
-setting the result calls for. See docs/distributed.md.
+Every rank returns the same merged map, diagnosed like any other. ``checks["distributed"]`` holds the
+per-rank detail, from which the causes ``ddp-locally-unused``, ``ddp-globally-unused`` and
+``rank-divergence`` (``causes/``) say what DDP (or FSDP) setting the result calls for; ``report.ranks``
+renders it. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .batch import with_differentiable_inputs
-from .causes.common import names, note_for
 from .diagnose import diagnose as diagnose_map
 from .errors import GradProbeError, SpecError
-from .flowmap import Cell, Finding, FlowMap, Run, RunError, VariantInfo
+from .flowmap import Cell, FlowMap, Run, RunError, VariantInfo
 from .measure import Measurement, per_scenario, per_term
 from .probe import probe
 from .rng import reseed, restore_rng, save_rng
@@ -48,22 +48,8 @@ from .status import INF, NAN, NONE, NONZERO, ZERO, reduce_grads, status_of
 from .step import check_terms, check_total, make_weights
 from .variants import VariantSpec, parse_variants
 
-__all__ = [
-    "CAUSES",
-    "distributed_findings",
-    "init_from_env",
-    "merge_maps",
-    "probe_distributed",
-    "render_ranks",
-]
+__all__ = ["init_from_env", "merge_maps", "probe_distributed"]
 
-LOCALLY_UNUSED = "ddp-locally-unused"
-GLOBALLY_UNUSED = "ddp-globally-unused"
-RANK_DIVERGENCE = "rank-divergence"
-CAUSES = (LOCALLY_UNUSED, GLOBALLY_UNUSED, RANK_DIVERGENCE)
-
-DDP_ERROR = "Expected to have finished reduction in the prior iteration before starting a new one"
-_SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 # Statuses combined over ranks, strongest first: a NaN anywhere is a NaN in the reduced gradient.
 _PRECEDENCE = (NAN, INF, NONZERO, ZERO, NONE)
 
@@ -225,7 +211,7 @@ def _is_plain_eager(v: VariantSpec) -> bool:
     return v.capture == "eager" and v.backend is None and not v.knobs
 
 
-def _gather_or_raise(payload: Any, error: BaseException | None, group: Any) -> list[Any]:
+def gather_or_raise(payload: Any, error: BaseException | None, group: Any) -> list[Any]:
     """all_gather_object of each rank's payload; if any rank failed, every rank raises its message."""
     world = dist.get_world_size(group)
     item: dict[str, Any]
@@ -295,8 +281,8 @@ def probe_distributed(
         local_spec = replace(spec, model=inner, step=_redirected(spec.step, inner, ddp), mode=mode)
         return model, kind, inner, ddp, mode, local_spec, parse_variants(variants or spec.variants or "eager")
 
-    prepared, error = _attempt(prepare)
-    _gather_or_raise(None, error, group)  # every rank stops if one cannot build its model or spec
+    prepared, error = attempt(prepare)
+    gather_or_raise(None, error, group)  # every rank stops if one cannot build its model or spec
     model, kind, inner, ddp, mode, local_spec, parsed = prepared
     want_reduced = any(_is_plain_eager(v) for v in parsed)
 
@@ -304,7 +290,7 @@ def probe_distributed(
     reduced: dict[str, tuple[list[str], list[float | None]] | None] = {}
     source = None
     with _fsdp_unsharded(inner) if kind == "fsdp2" else contextlib.nullcontext():
-        local, error = _attempt(
+        local, error = attempt(
             lambda: probe(
                 local_spec,
                 variants=parsed,
@@ -314,7 +300,7 @@ def probe_distributed(
                 progress=progress and dist.get_rank(group) == 0,
             )
         )
-        gathered = _gather_or_raise(None if local is None else local.to_dict(), error, group)
+        gathered = gather_or_raise(None if local is None else local.to_dict(), error, group)
         maps = [FlowMap.from_dict(d) for d in gathered]
         assert local is not None
         _same_parameters(maps)
@@ -325,8 +311,8 @@ def probe_distributed(
         if want_reduced and not sharded:
             # 2a. the reduced gradient of each scenario: local eager gradients, all-reduced
             params = [p for _, p in inner.named_parameters() if p.requires_grad]
-            kept, error = _attempt(lambda: _local_gradients(local_spec, inner, mode, local))
-            _gather_or_raise(None, error, group)
+            kept, error = attempt(lambda: _local_gradients(local_spec, inner, mode, local))
+            gather_or_raise(None, error, group)
             assert kept is not None
             reduced = _allreduce_gradients(kept, params, failed, group, _comm_device(params))
             source = "all-reduce of the local gradients"
@@ -351,7 +337,7 @@ def probe_distributed(
     return merge_maps(maps, reduced, divergence, info)
 
 
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+def attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     """(result, None), or (None, the exception): every rank must reach the next collective."""
     try:
         return fn(), None
@@ -750,15 +736,7 @@ def merge_maps(
         warnings=warnings,
         findings=(),
     )
-    own = distributed_findings(merged)
-    covered = {p for f in own if f.cause == GLOBALLY_UNUSED for p in f.evidence.get("parameters", ())}
-    generic = [
-        f
-        for f in diagnose_map(merged)
-        if not (f.cause == "unused-parameter" and set(f.evidence.get("parameters", ())) <= covered)
-    ]
-    findings = sorted([*own, *generic], key=lambda f: _SEVERITY_ORDER[f.severity])
-    return msgspec.structs.replace(merged, findings=tuple(findings))
+    return msgspec.structs.replace(merged, findings=tuple(diagnose_map(merged)))
 
 
 def _rank_detail(maps: Sequence[FlowMap]) -> dict[str, Any]:
@@ -802,222 +780,3 @@ def _rank_detail(maps: Sequence[FlowMap]) -> dict[str, Any]:
     if others:
         out["ranks_by_variant"] = {v: reach(v)[0] for v in others}
     return out
-
-
-# ----- findings -----------------------------------------------------------------------------------
-
-
-def _fix_locally_unused(wrapper: str) -> str:
-    if wrapper == "fsdp2":
-        return (
-            "FSDP2: call model.set_reduce_scatter_unused_params(True) so ranks without a gradient "
-            "reduce-scatter zeros (otherwise the reduce-scatters do not match across ranks), and do not "
-            "give a module that some ranks skip its own fully_shard (its all-gather would run only on "
-            "the ranks that call it): shard it with its parent. Or make every rank's batch use every "
-            "branch"
-        )
-    return (
-        "wrap with DistributedDataParallel(model, find_unused_parameters=True) (one extra traversal "
-        "of the autograd graph per iteration), or make every rank's batch use every branch (a sampler "
-        "that puts every atom type / task on every rank), or add a zero-weighted term that touches the "
-        "branch on every rank (loss + 0 * sum(p.sum() for p in branch.parameters())) so its gradient "
-        "is an exact zero instead of missing. static_graph=True does not help: it assumes the same "
-        "parameters are used in every iteration, and a data-dependent branch changes that from batch "
-        "to batch"
-    )
-
-
-def distributed_findings(fm: FlowMap) -> list[Finding]:
-    """``ddp-locally-unused``, ``ddp-globally-unused`` and ``rank-divergence`` from the evidence in
-    ``fm.checks["distributed"]`` and the spec's notes."""
-    d = fm.checks.get("distributed")
-    if not isinstance(d, Mapping):
-        return []
-    world = int(d.get("world_size", 1))
-    wrapper = str(d.get("wrapper", "none"))
-    ref = str(d.get("reference", fm.reference))
-    ranks: Mapping[str, Mapping[str, list[int]]] = d.get("ranks") or {}
-    no_path: Mapping[str, Mapping[str, list[int]]] = d.get("no_path") or {}
-    findings: list[Finding] = []
-
-    # Locally unused: reached on some ranks but not on others.
-    partial: dict[str, dict[str, dict[str, list[int]]]] = {}
-    for s, per_param in ranks.items():
-        for p, rs in per_param.items():
-            if 0 < len(rs) < world:
-                missing = [r for r in range(world) if r not in rs]
-                partial.setdefault(p, {})[s] = {
-                    "reached_on": list(rs),
-                    "not_reached_on": missing,
-                    "no_path_on": [r for r in (no_path.get(s) or {}).get(p, []) if r in missing],
-                }
-    if partial:
-        params = list(partial)
-        # The training loss is the scenario with every term; without one, any scenario may be trained.
-        full = [sc.name for sc in fm.scenarios if set(sc.terms) == set(fm.terms)] or list(ranks)
-        gaps = sorted({s for per in partial.values() for s, e in per.items() if e["no_path_on"]})
-        in_training = [s for s in gaps if s in full]
-        handled = (wrapper == "ddp" and d.get("find_unused_parameters")) or (
-            wrapper == "fsdp2" and d.get("reduce_scatter_unused_params")
-        )
-        severity = "info" if handled or not gaps else "error" if in_training else "warning"
-        p0 = next((p for p in params if any(e["no_path_on"] for e in partial[p].values())), params[0])
-        s0 = next((s for s in (*in_training, *gaps) if s in partial[p0]), next(iter(partial[p0])))
-        e0 = partial[p0][s0]
-        example = (
-            f"{p0} in {s0!r}: reached on rank(s) {_ranks(e0['reached_on'])}, "
-            f"not on rank(s) {_ranks(e0['not_reached_on'])}"
-        )
-        scenarios = [s for s in fm.scenario_names if any(s in per for per in partial.values())]
-        message = (
-            f"{len(params)} parameter(s) get a gradient on some ranks but not on others: {names(params)} "
-            f"({example}; scenarios: {', '.join(scenarios)})"
-        )
-        consequence = (
-            "FSDP2's reduce-scatters do not match across ranks (a deadlock, or a size mismatch error)"
-            if wrapper == "fsdp2"
-            else f"DDP without find_unused_parameters=True fails with {DDP_ERROR!r}"
-        )
-        if gaps and handled:
-            message += (
-                " — handled by find_unused_parameters=True"
-                if wrapper == "ddp"
-                else " — handled by reduce_scatter_unused_params"
-            )
-        elif in_training:
-            message += f". Ranks without an autograd path to them never mark them ready for reduction, so {consequence}"
-        elif gaps:
-            message += (
-                f". Some ranks have no autograd path to them in {', '.join(repr(s) for s in gaps)} only: "
-                f"when training on those terms alone, {consequence}; the loss with every term reaches "
-                "them on every rank"
-            )
-        else:
-            message += (
-                ". The ranks that do not reach them still have a path (exact zero gradient), so DDP's "
-                "hooks fire; only some ranks' data trains them"
-            )
-        findings.append(
-            Finding(
-                LOCALLY_UNUSED,
-                severity,
-                message,
-                evidence={
-                    "variant": ref,
-                    "parameters": params,
-                    "ranks": partial,
-                    "world_size": world,
-                    "wrapper": wrapper,
-                    "find_unused_parameters": d.get("find_unused_parameters"),
-                },
-                location={"modules": sorted({p.rpartition(".")[0] or p for p in params})},
-                fix=_fix_locally_unused(wrapper),
-                references=("https://pytorch.org/docs/stable/notes/ddp.html",),
-            )
-        )
-
-    # Globally unused: reached on no rank in any scenario.
-    if ranks:
-        covered = {t for s in fm.scenarios if s.name in ranks for t in s.terms}
-        if covered == set(fm.terms):
-            unused = [p for p in fm.trainable if all(not ranks[s].get(p) for s in ranks)]
-            if unused:
-                notes = {p: n for p in unused if (n := note_for(p, fm.notes)) is not None}
-                no_path_all = [
-                    p for p in unused if all(len((no_path.get(s) or {}).get(p, [])) == world for s in ranks)
-                ]
-                message = f"{len(unused)} parameter(s) get no non-zero gradient on any rank: {names(unused)}"
-                if notes:
-                    message += " — " + "; ".join(sorted(set(notes.values())))
-                if no_path_all and wrapper != "fsdp2":
-                    message += (
-                        f". {len(no_path_all)} have no autograd path on any rank: DDP without "
-                        f"find_unused_parameters=True fails on them with {DDP_ERROR!r}"
-                    )
-                if wrapper == "ddp" and d.get("find_unused_parameters"):
-                    message += " (find_unused_parameters=True is set)"
-                fix = "freeze them (requires_grad_(False)) before wrapping the model, or remove them; " + (
-                    "FSDP2 otherwise needs set_reduce_scatter_unused_params(True)"
-                    if wrapper == "fsdp2"
-                    else "otherwise DDP needs find_unused_parameters=True (each iteration then "
-                    "traverses the graph to mark them ready)"
-                )
-                findings.append(
-                    Finding(
-                        GLOBALLY_UNUSED,
-                        "info" if len(notes) == len(unused) else "warning",
-                        message,
-                        evidence={
-                            "variant": ref,
-                            "parameters": unused,
-                            "notes": notes,
-                            "no_path": no_path_all,
-                        },
-                        location={"modules": sorted({p.rpartition(".")[0] or p for p in unused})},
-                        fix=fix,
-                    )
-                )
-
-    # Divergence: replicated parameters whose values differ between ranks.
-    div = d.get("divergence") or {}
-    off = div.get("parameters") or {}
-    if off:
-        params = list(off)
-        bad_ranks = sorted({r for e in off.values() for r in e.get("ranks", ())})
-        worst = max(float(e.get("max_rel_diff", 0.0)) for e in off.values())
-        findings.append(
-            Finding(
-                RANK_DIVERGENCE,
-                "error",
-                f"{len(params)} replicated parameter(s) hold different values on rank(s) {_ranks(bad_ranks)} "
-                f"than on rank 0: {names(params)} (relative checksum difference up to {worst:.3g}, "
-                f"tolerance {div.get('rtol')}): the ranks are out of sync",
-                evidence={"parameters": params, "ranks": bad_ranks, "divergence": dict(off)},
-                location={"modules": sorted({p.rpartition(".")[0] or p for p in params})},
-                fix="start every rank from the same values: build the model with the same seed, or wrap it in "
-                "DistributedDataParallel before training (it broadcasts rank 0's parameters and buffers at "
-                "construction); keep every update identical on every rank (no rank-dependent optimizer "
-                "steps, no parameter changes outside the DDP-reduced gradient, the same gradient clipping "
-                "on all ranks). Different values on different ranks make DDP train N different models",
-            )
-        )
-    return findings
-
-
-def _ranks(rs: Sequence[int]) -> str:
-    return ", ".join(str(r) for r in rs) or "none"
-
-
-# ----- terminal summary ---------------------------------------------------------------------------
-
-
-def render_ranks(fm: FlowMap) -> str:
-    """A short per-rank table from ``checks["distributed"]``: parameters reached on each rank."""
-    d = fm.checks.get("distributed")
-    if not isinstance(d, Mapping):
-        return ""
-    world = int(d.get("world_size", 1))
-    per = d.get("reached_per_rank") or {}
-    total = len(fm.trainable)
-    head = (
-        f"distributed: {world} ranks, backend {d.get('backend')}, wrapper {d.get('wrapper')}"
-        + (
-            f" (find_unused_parameters={d.get('find_unused_parameters')})"
-            if d.get("wrapper") == "ddp"
-            else ""
-        )
-        + f"; parameters reached per rank ({d.get('reference')}), merged = reduced gradient:"
-    )
-    width = max([len(s) for s in per] + [8]) + 2
-    lines = [head, " " * width + "".join(f"rank {r:<5}" for r in range(world)) + "merged"]
-    for s, counts in per.items():
-        merged = len(fm.reached(str(d.get("reference")), s))
-        lines.append(
-            f"{s + ':':<{width}}" + "".join(f"{f'{c}/{total}':<10}" for c in counts) + f"{merged}/{total}"
-        )
-    for s, rs in (d.get("failed") or {}).items():
-        lines.append(f"{s + ':':<{width}}failed on rank(s) {_ranks(rs)}")
-    off = (d.get("divergence") or {}).get("parameters") or {}
-    if off:
-        lines.append(f"parameter values differ between ranks: {names(list(off))}")
-    return "\n".join(lines) + "\n"

@@ -228,6 +228,26 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
         """Cells of that run whose verdict against the reference is not ``match``."""
         return {p: c for p, c in self.cells_of(variant, scenario).items() if c.verdict not in (None, "match")}
 
+    def mismatch(self, variant: str, scenario: str) -> dict[str, Any] | None:
+        """Counts, lost/extra parameters and wrong values of one run against the reference; None if equal
+        (what the flow-mismatch finding and the report's interpretation lines say of a differing run)."""
+        diffs = self.differences(variant, scenario)
+        if not diffs:
+            return None
+        wrong = {p: c.rel_error for p, c in diffs.items() if c.verdict == "wrong"}
+        finite = [e for e in wrong.values() if e is not None and e == e]
+        return {
+            "scenario": scenario,
+            "count": self.count(variant, scenario)[0],
+            "reference_count": self.count(self.reference, scenario)[0],
+            "missing": [p for p, c in diffs.items() if c.verdict == "missing"],
+            # exact zeros apart from no gradient at all: a path that exists but carries nothing
+            "missing_zero": [p for p, c in diffs.items() if c.verdict == "missing" and c.status == "zero"],
+            "extra": [p for p, c in diffs.items() if c.verdict == "extra"],
+            "wrong": list(wrong),
+            "max_rel_error": max(finite) if finite else None,
+        }
+
     def bisection(self, variant: str) -> dict[str, Any] | None:
         return next((b for b in self.bisections if b.get("variant") == variant), None)
 

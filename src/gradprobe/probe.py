@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -36,7 +36,7 @@ from .spec import ProbeSpec, check_values, resolve_model
 from .state import contained, isolated_settings, preserved
 from .step import make_weights
 from .variants import VariantSpec, parse_variants
-from .walk import walk
+from .walk import Tree, walk
 
 
 def probe(
@@ -127,6 +127,40 @@ def run_probe(
     return msgspec.structs.replace(fm, warnings=(*fm.warnings, *said)) if said else fm
 
 
+@dataclass
+class _Probe:
+    """One probe's working state, handed from phase to phase: what ``_prepare`` resolved, then what
+    each phase adds (measurements, builds, check results, evidence)."""
+
+    spec: ProbeSpec
+    model: torch.nn.Module
+    tree: Tree
+    trainable: list[tuple[str, torch.nn.Parameter]]
+    mode: str
+    variants: list[VariantSpec]  # the reference first: the others are compared with its gradients
+    reference: str
+    terms: list[str]  # in terms mode without declared terms: from the eager call (``_measure_variants``)
+    scenarios: Sequence[Scenario]
+    diagnose: bool
+    checks: tuple[str, ...]
+    model_training: bool
+    params: list[torch.nn.Parameter] = field(init=False)  # the trainable tensors, in ``trainable``'s order
+    dtype: str = field(init=False)  # of the first trainable parameter: the probe's precision
+    batch: Any = None  # the spec's batch with fresh differentiable inputs, inside ``preserved``
+    measured: list[_Measured] = field(default_factory=list)
+    builds: dict[str, Built] = field(default_factory=dict)
+    watches: dict[str, Watch] = field(default_factory=dict)
+    ref_results: dict[str, Measurement] = field(default_factory=dict)
+    checked: dict[str, Any] = field(default_factory=dict)  # the flow map's ``checks``
+    evidence: dict[str, Any] = field(default_factory=dict)
+    bisections: list[dict[str, Any]] = field(default_factory=list)
+    breaks: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.params = [p for _, p in self.trainable]
+        self.dtype = str(self.params[0].dtype).removeprefix("torch.")
+
+
 def _run_probe(
     spec: ProbeSpec,
     variants: Sequence[VariantSpec],
@@ -134,6 +168,34 @@ def _run_probe(
     diagnose_: bool = False,
     checks: tuple[str, ...] = (),
 ) -> FlowMap:
+    state = _prepare(spec, variants, reference, diagnose_, checks)
+    with (
+        preserved(state.model, [t for _, t in state.tree.parameters], state.tree.modules, contained=True),
+        torch.enable_grad(),
+    ):
+        state.batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
+        _measure_variants(state)
+        _second_batch(state)
+        _run_checks(state)
+        _gather_evidence(state)
+        state.ref_results.clear()  # drop the kept gradients
+        for m in state.measured:
+            for r in m.results:
+                r.grads = None
+    fm = _flow_map(state)
+    # The findings are the map's own reading of itself: a copy of the map with them.
+    return msgspec.structs.replace(fm, findings=tuple(diagnose(fm)))
+
+
+def _prepare(
+    spec: ProbeSpec,
+    variants: Sequence[VariantSpec],
+    reference: str | None,
+    diagnose_: bool,
+    checks: tuple[str, ...],
+) -> _Probe:
+    """The model resolved and walked once; its values, the batch, the devices, the terms, the scenarios,
+    the declarations and the checks asked for validated before anything runs."""
     model = resolve_model(spec, check=False)
     try:
         tree = walk(model)  # one walk of the modules: parameters, buffers and modules for what follows
@@ -167,191 +229,213 @@ def _run_probe(
     if spec.terms is None and not (mode == "terms" and _is_plain_eager(ordered[0])):
         raise SpecError("declare terms=[...] in the spec: the reference variant is not plain eager, so the "
                         "term names cannot be taken from an eager call")  # fmt: skip
-    params = [p for _, p in trainable]
-    first = params[0]
-    dtype = str(first.dtype).removeprefix("torch.")
-
     terms: list[str] = list(spec.terms) if spec.terms is not None else []
     scenarios: Sequence[Scenario] = resolve_scenarios(spec.scenarios, terms) if terms else ()
     if scenarios and spec.expect is not None:  # a misspelt declaration fails before anything is compiled
         check_against(normalized_expect(spec.expect), [s.name for s in scenarios], [n for n, _ in trainable])
-    measured: list[_Measured] = []
-    bisections: list[dict[str, Any]] = []
-    breaks: list[dict[str, Any]] = []
-    model_training = model.training
     unknown = [c for c in checks if c not in CHECKS]
     if unknown:
         raise SpecError(
             f"unknown check {unknown[0]!r}{did_you_mean(unknown[0], CHECKS)}; checks are: {', '.join(CHECKS)}"
         )
-    results_of_checks: dict[str, Any] = {}
-    evidence: dict[str, Any] = {}
-    with preserved(model, [p for _, p in named], tree.modules, contained=True), torch.enable_grad():
-        batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
-        ref_results: dict[str, Measurement] = {}
-        builds: dict[str, Built] = {}
-        watches: dict[str, Watch] = {}
-        # The reference's gradients are kept (one copy per scenario) only when something reads them:
-        # another variant, the consistency and balance checks, or the diagnosis.
-        keep_ref = len(ordered) > 1 or diagnose_ or "balance" in checks
-        # Nothing but the flow map follows a lone variant: preserved() puts the settings back.
-        alone = len(ordered) == 1 and not diagnose_ and not checks
-        for variant in ordered:
-            is_ref = variant.name == ref_name
-            start = time.perf_counter()
-            breaks_before = _graph_breaks() if variant.compiled else 0
-            built: Built | None = None
-            watch = watches[variant.name] = Watch()
-            with stage(variant.name), watch, _isolated(variant, alone):
-                if _is_plain_eager(variant) and mode == "terms":
-                    reseed(spec.seed)
-                    with watch.window("the eager step"), stage("one forward, a gradient per term"):
-                        terms, scenarios, results = per_term(
-                            lambda b=batch: spec.step(model, b),
-                            params,
-                            spec.terms,
-                            lambda ts: resolve_scenarios(spec.scenarios, ts),
-                            keep=is_ref and keep_ref,
-                        )
-                    if not is_ref:
-                        results = _compare_per_term(results, ref_results)
-                elif _is_plain_eager(variant):
-                    results = per_scenario(
-                        lambda w, b=batch: spec.step(model, b, w),
-                        params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
-                        reference=None if is_ref else ref_results, observe=_observed(watch, scenarios),
-                    )  # fmt: skip
-                else:
-                    ctx = VariantContext(
-                        model,
-                        spec.step,
-                        mode,
-                        terms,
-                        batch,
-                        make_weights(terms, terms, first),
-                        seed=spec.seed,
-                    )
-                    with watch.window("build"), stage("build"):
-                        built = build(variant, ctx)
-                    builds[variant.name] = built
-                    if built.error is not None:
-                        results = [Measurement(s.name, error=built.error) for s in scenarios]
-                    else:
-                        counter = built.counter
-                        results = per_scenario(
-                            lambda w, run=built.run, b=batch: run(b, w),
-                            params, scenarios, terms, spec.seed, keep=is_ref and keep_ref,
-                            reference=None if is_ref else ref_results,
-                            counter=counter,
-                            consistency_rtol=consistency_tolerance(dtype)[0],
-                            observe=_observed(watch, scenarios),
-                            isolate=mode == "terms",
-                        )  # fmt: skip
-                        # A double backward raised in autograd's engine names no user frame: anomaly
-                        # mode's forward trace of one failing scenario gives it (no recompile).
-                        results = with_double_backward_frames(
-                            results,
-                            lambda name, run=built.run, b=batch, ss=scenarios, ts=terms: per_scenario(
-                                lambda w: run(b, w), params, [s for s in ss if s.name == name],
-                                ts, spec.seed, isolate=mode == "terms",
-                            ),
-                        )  # fmt: skip
-            if is_ref:
-                ref_results = {m.scenario: m for m in results}
-            info = VariantInfo(
-                variant.name,
-                dict(variant.knobs),
-                built.error if built is not None else None,
-                _compiles(results) if built is not None and built.counter is not None else None,
-                time.perf_counter() - start,
-                variant.capture,
-                variant.backend,
-                built.counter.graphs if built is not None and built.counter is not None else None,
-                _graph_breaks() - breaks_before if variant.compiled else None,
-                graph=_lint(built, len(params)),
-            )
-            measured.append(_Measured(variant, info, results))
-        if spec.second_batch is not None and any(m.variant.traced for m in measured[1:]):
-            with stage("the second batch"):
-                second = _compare_on(
-                    spec.second_batch, spec, model, params, mode, terms, scenarios, measured, builds, ref_name
+    return _Probe(
+        spec=spec,
+        model=model,
+        tree=tree,
+        trainable=trainable,
+        mode=mode,
+        variants=ordered,
+        reference=ref_name,
+        terms=terms,
+        scenarios=scenarios,
+        diagnose=diagnose_,
+        checks=checks,
+        model_training=model.training,
+    )
+
+
+def _measure_variants(state: _Probe) -> None:
+    """Every variant measured in turn, the reference first; each variant built once."""
+    # The reference's gradients are kept (one copy per scenario) only when something reads them:
+    # another variant, the consistency and balance checks, or the diagnosis.
+    keep_ref = len(state.variants) > 1 or state.diagnose or "balance" in state.checks
+    # Nothing but the flow map follows a lone variant: preserved() puts the settings back.
+    alone = len(state.variants) == 1 and not state.diagnose and not state.checks
+    for variant in state.variants:
+        state.measured.append(
+            _measure(state, variant, keep=variant.name == state.reference and keep_ref, alone=alone)
+        )
+
+
+def _measure(state: _Probe, variant: VariantSpec, keep: bool, alone: bool) -> _Measured:
+    """One variant: plain eager in terms mode (one forward, a gradient per term; the terms and scenarios
+    come from this call when the spec declares none), plain eager in weights mode, or built (traced,
+    compiled, a user's path) and run once per scenario."""
+    spec, model, params, terms, batch = state.spec, state.model, state.params, state.terms, state.batch
+    is_ref = variant.name == state.reference
+    reference = None if is_ref else state.ref_results
+    start = time.perf_counter()
+    breaks_before = _graph_breaks() if variant.compiled else 0
+    built: Built | None = None
+    watch = state.watches[variant.name] = Watch()
+    with stage(variant.name), watch, _isolated(variant, alone):
+        if _is_plain_eager(variant) and state.mode == "terms":
+            reseed(spec.seed)
+            with watch.window("the eager step"), stage("one forward, a gradient per term"):
+                state.terms, state.scenarios, results = per_term(
+                    lambda b=batch: spec.step(model, b),
+                    params,
+                    spec.terms,
+                    lambda ts: resolve_scenarios(spec.scenarios, ts),
+                    keep=keep,
                 )
-            for m in measured:
-                if m.info.name in second:
-                    m.info = msgspec.structs.replace(m.info, second_batch=second[m.info.name])
-        trainable_names = [n for n, _ in trainable]
-        if len(measured) > 1:
-            results_of_checks["consistency"] = consistency_report(
-                trainable_names, measured, ref_results, ref_name, dtype, [p.numel() for p in params]
+            if not is_ref:
+                results = _compare_per_term(results, state.ref_results)
+        elif _is_plain_eager(variant):
+            results = per_scenario(
+                lambda w, b=batch: spec.step(model, b, w),
+                params, state.scenarios, terms, spec.seed, keep=keep,
+                reference=reference, observe=_observed(watch, state.scenarios),
+            )  # fmt: skip
+        else:
+            ctx = VariantContext(
+                model,
+                spec.step,
+                state.mode,
+                terms,
+                batch,
+                make_weights(terms, terms, params[0]),
+                seed=spec.seed,
             )
-        if "shapes" in checks:
-            if spec.other_shapes_batch is None:
-                raise SpecError("the shape sweep needs spec.other_shapes_batch (a batch of other sizes)")
-            with stage("check: shapes (the traced variants on other shapes)"):
-                results_of_checks["shape_sweep"] = _compare_on(
-                    spec.other_shapes_batch, spec, model, params, mode, terms, scenarios, measured, builds,
-                    ref_name,
+            with watch.window("build"), stage("build"):
+                built = build(variant, ctx)
+            state.builds[variant.name] = built
+            if built.error is not None:
+                results = [Measurement(s.name, error=built.error) for s in state.scenarios]
+            else:
+                results = per_scenario(
+                    lambda w, run=built.run, b=batch: run(b, w),
+                    params, state.scenarios, terms, spec.seed, keep=keep,
+                    reference=reference,
+                    counter=built.counter,
+                    consistency_rtol=consistency_tolerance(state.dtype)[0],
+                    observe=_observed(watch, state.scenarios),
+                    isolate=state.mode == "terms",
                 )  # fmt: skip
-        if "physics" in checks:
-            with stage("check: physics (finite differences)"):
-                results_of_checks["physics"] = _checked(
-                    "physics", lambda: physics_check(spec, model, spec.batch)
-                )
-                paths = _physics_of_paths(spec, model, measured, builds, ref_name)
-            if paths:
-                results_of_checks["physics_paths"] = paths
-        if "balance" in checks:
-            with stage("check: balance"):
-                results_of_checks["balance"] = _checked(
-                    "balance",
-                    lambda: balance_report(
-                        spec, model, trainable_names, scenarios, ref_results,
-                        _terms_caller(spec, model, mode, terms, batch),
+                # A double backward raised in autograd's engine names no user frame: anomaly
+                # mode's forward trace of one failing scenario gives it (no recompile).
+                results = with_double_backward_frames(
+                    results,
+                    lambda name, run=built.run, b=batch, ss=state.scenarios, ts=terms: per_scenario(
+                        lambda w: run(b, w), params, [s for s in ss if s.name == name],
+                        ts, spec.seed, isolate=state.mode == "terms",
                     ),
                 )  # fmt: skip
-        if "training" in checks:
-            with stage("check: training (optimizer steps on a copy)"):
-                results_of_checks["training"] = _checked(
-                    "training",
-                    lambda: training_check(
-                        spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
-                    ),
-                )
-        evidence["dynamo"] = {name: w.to_dict() for name, w in watches.items()}
-        off = _dynamo_disabled() if builds else None
-        if off is not None:
-            evidence["environment"] = {"dynamo_disabled": off}
-        advice = {name: dict(b.advice) for name, b in builds.items() if b.advice}
-        if advice:  # a path's own words for a fix (a trainer adapter's), whatever the cause needs
-            evidence["advice"] = advice
-        if diagnose_:
-            from .evidence import collect
+    if is_ref:
+        state.ref_results = {m.scenario: m for m in results}
+    info = VariantInfo(
+        variant.name,
+        dict(variant.knobs),
+        built.error if built is not None else None,
+        _compiles(results) if built is not None and built.counter is not None else None,
+        time.perf_counter() - start,
+        variant.capture,
+        variant.backend,
+        built.counter.graphs if built is not None and built.counter is not None else None,
+        _graph_breaks() - breaks_before if variant.compiled else None,
+        graph=_lint(built, len(params)),
+    )
+    return _Measured(variant, info, results)
 
-            with stage("diagnose: lineage (one recorded step per path)"):
-                found = collect.lineages(spec, model, trainable, mode, terms, batch, measured, builds)
-            evidence["lineage"] = {name: lin.to_dict() for name, lin in found.items()}
-            with stage("diagnose: finite-difference confirmations"):
-                evidence["confirmations"] = collect.confirmations(
-                    spec, model, trainable, mode, terms, scenarios, batch, measured, builds, found
-                )
-            with stage("diagnose: bisect"):
-                bisections = collect.bisect_failing(
-                    spec, model, params, mode, terms, scenarios, batch, measured, ref_results, ref_name,
-                    dtype, model_training,
-                )  # fmt: skip
-            with stage("diagnose: locate non-finite values"):
-                breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
-        ref_results.clear()  # drop the kept gradients
-        for m in measured:
-            for r in m.results:
-                r.grads = None
 
-    fm = _flow_map(
-        spec, model, named, trainable, mode, terms, scenarios, measured, ref_name, dtype,
-        bisections=tuple(bisections), breaks=tuple(breaks), checks=results_of_checks, evidence=evidence,
+def _second_batch(state: _Probe) -> None:
+    """The traced variants re-measured on ``spec.second_batch``: a trace that froze trace-time tensors
+    is exact on its own batch only."""
+    if state.spec.second_batch is None or not any(m.variant.traced for m in state.measured[1:]):
+        return
+    with stage("the second batch"):
+        second = _compare_on(state, state.spec.second_batch)
+    for m in state.measured:
+        if m.info.name in second:
+            m.info = msgspec.structs.replace(m.info, second_batch=second[m.info.name])
+
+
+def _run_checks(state: _Probe) -> None:
+    """The checks, into ``state.checked`` (the flow map's ``checks``): value consistency between variants
+    (always, with more than one), then those asked for: shapes, physics, balance, training."""
+    spec, model, mode, terms, scenarios, batch = (
+        state.spec, state.model, state.mode, state.terms, state.scenarios, state.batch
     )  # fmt: skip
-    # The findings are the map's own reading of itself: a copy of the map with them.
-    return msgspec.structs.replace(fm, findings=tuple(diagnose(fm)))
+    measured, ref_results, ref_name = state.measured, state.ref_results, state.reference
+    trainable_names = [n for n, _ in state.trainable]
+    if len(measured) > 1:
+        state.checked["consistency"] = consistency_report(
+            trainable_names, measured, ref_results, ref_name, state.dtype, [t.numel() for t in state.params]
+        )
+    if "shapes" in state.checks:
+        if spec.other_shapes_batch is None:
+            raise SpecError("the shape sweep needs spec.other_shapes_batch (a batch of other sizes)")
+        with stage("check: shapes (the traced variants on other shapes)"):
+            state.checked["shape_sweep"] = _compare_on(state, spec.other_shapes_batch)
+    if "physics" in state.checks:
+        with stage("check: physics (finite differences)"):
+            state.checked["physics"] = _checked("physics", lambda: physics_check(spec, model, spec.batch))
+            paths = _physics_of_paths(state)
+        if paths:
+            state.checked["physics_paths"] = paths
+    if "balance" in state.checks:
+        with stage("check: balance"):
+            state.checked["balance"] = _checked(
+                "balance",
+                lambda: balance_report(
+                    spec, model, trainable_names, scenarios, ref_results,
+                    _terms_caller(spec, model, mode, terms, batch),
+                ),
+            )  # fmt: skip
+    if "training" in state.checks:
+        with stage("check: training (optimizer steps on a copy)"):
+            state.checked["training"] = _checked(
+                "training",
+                lambda: training_check(
+                    spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
+                ),
+            )
+
+
+def _gather_evidence(state: _Probe) -> None:
+    """What dynamo did per variant, whether it is switched off, the paths' own advice; with ``diagnose``:
+    each path's lineage, finite-difference confirmations, bisections of the failing variants and the
+    op that makes a non-finite value."""
+    state.evidence["dynamo"] = {name: w.to_dict() for name, w in state.watches.items()}
+    off = _dynamo_disabled() if state.builds else None
+    if off is not None:
+        state.evidence["environment"] = {"dynamo_disabled": off}
+    advice = {name: dict(b.advice) for name, b in state.builds.items() if b.advice}
+    if advice:  # a path's own words for a fix (a trainer adapter's), whatever the cause needs
+        state.evidence["advice"] = advice
+    if not state.diagnose:
+        return
+    from .evidence import collect
+
+    spec, model, trainable, params, mode, terms, scenarios, batch = (
+        state.spec, state.model, state.trainable, state.params, state.mode, state.terms, state.scenarios,
+        state.batch,
+    )  # fmt: skip
+    measured, builds, ref_results = state.measured, state.builds, state.ref_results
+    with stage("diagnose: lineage (one recorded step per path)"):
+        found = collect.lineages(spec, model, trainable, mode, terms, batch, measured, builds)
+    state.evidence["lineage"] = {name: lin.to_dict() for name, lin in found.items()}
+    with stage("diagnose: finite-difference confirmations"):
+        state.evidence["confirmations"] = collect.confirmations(
+            spec, model, trainable, mode, terms, scenarios, batch, measured, builds, found
+        )
+    with stage("diagnose: bisect"):
+        state.bisections = collect.bisect_failing(
+            spec, model, params, mode, terms, scenarios, batch, measured, ref_results, state.reference,
+            state.dtype, state.model_training,
+        )  # fmt: skip
+    with stage("diagnose: locate non-finite values"):
+        state.breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
 
 
 def _isolated(variant: VariantSpec, alone: bool) -> contextlib.AbstractContextManager[Any]:
@@ -376,24 +460,19 @@ def _observed(watch: Watch, scenarios: Sequence[Scenario]) -> Any:
     return observe
 
 
-def _physics_of_paths(
-    spec: ProbeSpec,
-    model: torch.nn.Module,
-    measured: list[_Measured],
-    builds: Mapping[str, Built],
-    ref_name: str,
-) -> dict[str, Any]:
+def _physics_of_paths(state: _Probe) -> dict[str, Any]:
     """The physics check of every path that gives its own forces (``Built.predict``; a model compiled
     alone through ``spec.predict``), and its outputs against the reference's. In float64 only: the
     path itself is checked, not a copy, and finite differences need the precision."""
     from .checks import path_physics
 
+    spec, model = state.spec, state.model
     out: dict[str, Any] = {}
     if spec.energy_fn is None or spec.predict is None or not isinstance(spec.batch, Mapping):
         return out
-    for x in measured:
-        built = builds.get(x.info.name)
-        if x.info.name == ref_name or built is None or built.error is not None:
+    for x in state.measured:
+        built = state.builds.get(x.info.name)
+        if x.info.name == state.reference or built is None or built.error is not None:
             continue
         if built.predict is not None:
             predict, energy = built.predict, (lambda b, p=built.predict: p(b)["energy"])
@@ -479,18 +558,7 @@ def _graph_breaks() -> int:
     return sum(utils.counters["graph_break"].values()) if utils is not None else 0
 
 
-def _compare_on(
-    batch2: Any,
-    spec: ProbeSpec,
-    model: torch.nn.Module,
-    params: list[torch.Tensor],
-    mode: str,
-    terms: list[str],
-    scenarios: Sequence[Scenario],
-    measured: list[_Measured],
-    builds: dict[str, Built],
-    ref_name: str,
-) -> dict[str, dict[str, Any]]:
+def _compare_on(state: _Probe, batch2: Any) -> dict[str, dict[str, Any]]:
     """Re-measure traced variants on another batch, against eager on that batch.
 
     On a second batch of the same shapes: a trace can freeze trace-time tensors (``pre_dispatch=True``
@@ -499,6 +567,8 @@ def _compare_on(
     most terms among those that ran on the first batch. Term values are compared too: stale forces
     show in the force term's value even where no gradient can be taken.
     """
+    spec, model, params, mode, terms = state.spec, state.model, state.params, state.mode, state.terms
+    scenarios, measured, builds, ref_name = state.scenarios, state.measured, state.builds, state.reference
     if not scenarios or not any(m.variant.traced and m.info.name != ref_name for m in measured):
         return {}  # nothing traced to re-measure (an eager-only probe): no eager run either
     batch2 = with_differentiable_inputs(batch2, spec.differentiable_inputs)
@@ -594,20 +664,10 @@ def _stochastic_warnings(model: torch.nn.Module, measured: list[_Measured]) -> l
     ]
 
 
-def _flow_map(
-    spec: ProbeSpec,
-    model: torch.nn.Module,
-    named: list[tuple[str, torch.nn.Parameter]],
-    trainable: list[tuple[str, torch.nn.Parameter]],
-    mode: str,
-    terms: list[str],
-    scenarios: Sequence[Scenario],
-    measured: list[_Measured],
-    ref_name: str,
-    dtype: str,
-    **evidence: Any,
-) -> FlowMap:
-    """The flow map of the measured runs; ``evidence``: its bisections, breaks, checks and evidence."""
+def _flow_map(state: _Probe) -> FlowMap:
+    """The flow map of the measured runs, with the checks' results and the evidence gathered."""
+    spec, model, named, trainable = state.spec, state.model, state.tree.parameters, state.trainable
+    measured, ref_name, dtype, scenarios = state.measured, state.reference, state.dtype, state.scenarios
     trainable_names = [n for n, _ in trainable]
     frozen = [n for n, p in named if not p.requires_grad]
     ref_status = {
@@ -655,8 +715,8 @@ def _flow_map(
         torch_version=torch.__version__,
         device=str(first.device),
         dtype=dtype,
-        mode=mode,
-        terms=tuple(terms),
+        mode=state.mode,
+        terms=tuple(state.terms),
         scenarios=tuple(ScenarioInfo(s.name, s.terms) for s in scenarios),
         variants=tuple(x.info for x in measured),
         runs=tuple(runs),
@@ -678,5 +738,8 @@ def _flow_map(
         reference=ref_name,
         rtol=tolerance(dtype),
         warnings=tuple(_stochastic_warnings(model, measured)),
-        **evidence,
+        bisections=tuple(state.bisections),
+        breaks=tuple(state.breaks),
+        checks=state.checked,
+        evidence=state.evidence,
     )

@@ -149,14 +149,14 @@ def parse_configurations(
 ) -> tuple[list[str] | None, dict[str, dict[str, Any]]]:
     """``"compiled[detach=keep]"`` or ``"deepmd:uncompiled,deepmd:compiled[backend=aot_eager]"`` (the
     command line's ``--variants`` for an adapter) as configurations and knob values."""
-    from .variants import _PART, _parse_knobs, _split
+    from .variants import PART, parse_knobs, split_spellings
 
     if not text:
         return None, {}
     configurations: list[str] = []
     knobs: dict[str, dict[str, Any]] = {}
-    for item in _split(text):
-        m = _PART.match(item)
+    for item in split_spellings(text):
+        m = PART.match(item)
         head = m["head"].removeprefix(f"{adapter.name}:") if m is not None else item
         if m is None or head not in adapter.configurations:
             raise SpecError(
@@ -164,9 +164,7 @@ def parse_configurations(
                 + ", ".join(variant_name(adapter, c) for c in adapter.configurations)
             )
         configurations.append(head)
-        knobs[head] = _parse_knobs(
-            m["knobs"], dict(adapter.configurations[head]), variant_name(adapter, head)
-        )
+        knobs[head] = parse_knobs(m["knobs"], dict(adapter.configurations[head]), variant_name(adapter, head))
     return configurations, knobs
 
 

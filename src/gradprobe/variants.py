@@ -120,8 +120,8 @@ def user_variant(
         if key not in table:
             raise SpecError(f"unknown knob {key!r} for {name}{did_you_mean(key, table)}")
         if value not in table[key][1]:
-            raise SpecError(f"knob {key}={_spell(value)} for {name}: allowed values are "
-                            f"{'|'.join(map(_spell, table[key][1]))}")  # fmt: skip
+            raise SpecError(f"knob {key}={spell(value)} for {name}: allowed values are "
+                            f"{'|'.join(map(spell, table[key][1]))}")  # fmt: skip
     return with_user_knobs(VariantSpec(name, capture="user", builder=builder, user_knobs=table, base=name),
                            **values)  # fmt: skip
 
@@ -131,17 +131,20 @@ def with_user_knobs(v: VariantSpec, **changes: Any) -> VariantSpec:
     base = v.base or v.name
     merged = {**v.knobs, **changes}
     knobs = {k: val for k, val in merged.items() if k in v.user_knobs and val != v.user_knobs[k][0]}
-    shown = [f"{k}={_spell(knobs[k])}" for k in v.user_knobs if k in knobs]
+    shown = [f"{k}={spell(knobs[k])}" for k in v.user_knobs if k in knobs]
     name = base + (f"[{','.join(shown)}]" if shown else "")
     return VariantSpec(
         name, capture="user", knobs=knobs, builder=v.builder, user_knobs=v.user_knobs, base=base
     )
 
 
-_PART = re.compile(r"^(?P<head>[A-Za-z_][\w:.-]*?)(\[(?P<knobs>[^\]]*)\])?$")
+# One part of a spelling: a head and its bracketed knobs, ``make_fx[detach=alias]``.
+PART = re.compile(r"^(?P<head>[A-Za-z_][\w:.-]*?)(\[(?P<knobs>[^\]]*)\])?$")
 
 
-def _parse_knobs(text: str | None, table: dict[str, tuple[Any, tuple[Any, ...] | None]], part: str) -> dict:
+def parse_knobs(text: str | None, table: dict[str, tuple[Any, tuple[Any, ...] | None]], part: str) -> dict:
+    """``"detach=alias,mode=train"`` read against ``table`` (knob: (default, allowed values)), defaults left
+    out; an unknown knob or value of ``part`` is a ``SpecError``."""
     knobs: dict[str, Any] = {}
     if not text:
         return knobs
@@ -151,14 +154,14 @@ def _parse_knobs(text: str | None, table: dict[str, tuple[Any, tuple[Any, ...] |
         if not eq or key not in table:
             raise SpecError(
                 f"unknown knob {key!r} for {part}{did_you_mean(key, table)}; knobs are: "
-                + ", ".join(f"{k}={'|'.join(map(_spell, v[1] or ()))}" for k, v in table.items())
+                + ", ".join(f"{k}={'|'.join(map(spell, v[1] or ()))}" for k, v in table.items())
             )
         allowed = table[key][1]
-        value = next((a for a in allowed or () if _spell(a).lower() == raw.strip().lower()), None)
+        value = next((a for a in allowed or () if spell(a).lower() == raw.strip().lower()), None)
         value = value if value is not None else _value(raw.strip())
         if allowed is not None and value not in allowed:
             raise SpecError(
-                f"knob {key}={raw.strip()} for {part}: allowed values are {'|'.join(map(_spell, allowed))}"
+                f"knob {key}={raw.strip()} for {part}: allowed values are {'|'.join(map(spell, allowed))}"
             )
         if value != table[key][0]:
             knobs[key] = value
@@ -170,7 +173,8 @@ def _value(raw: str) -> Any:
     return {"true": True, "false": False, "none": None}.get(lowered, raw)
 
 
-def _spell(v: Any) -> str:
+def spell(v: Any) -> str:
+    """A knob value as it is spelt: ``true``, ``false``, ``none`` or the value."""
     if v is True or v is False or v is None:
         return str(v).lower()
     return str(v)
@@ -180,7 +184,7 @@ def canonical_name(capture: str, backend: str | None, knobs: dict[str, Any]) -> 
     """The short spelling, with only non-default knobs shown."""
 
     def part(head: str, table: dict) -> str:
-        shown = [f"{k}={_spell(knobs[k])}" for k in table if k in knobs]
+        shown = [f"{k}={spell(knobs[k])}" for k in table if k in knobs]
         return head + (f"[{','.join(shown)}]" if shown else "")
 
     step_table = {**STEP_KNOBS, **(MAKE_FX_KNOBS if capture == "make_fx" else {})}
@@ -196,33 +200,33 @@ def canonical_name(capture: str, backend: str | None, knobs: dict[str, Any]) -> 
 def parse_variant(text: str) -> VariantSpec:
     """One variant from its spelling (see the module docstring)."""
     text = text.strip()
-    m = _PART.match(text)
+    m = PART.match(text)
     if m is not None and m["head"] in _USER_VARIANTS:
         builder, table = _USER_VARIANTS[m["head"]]
-        return user_variant(m["head"], builder, table, **_parse_knobs(m["knobs"], table, m["head"]))
+        return user_variant(m["head"], builder, table, **parse_knobs(m["knobs"], table, m["head"]))
     parts = text.split("+")
     if not 1 <= len(parts) <= 2:
         raise SpecError(f"variant {text!r}: at most one '+' (make_fx+compile:<backend>)")
     capture, backend, knobs = "eager", None, {}
     for i, raw in enumerate(parts):
-        m = _PART.match(raw.strip())
+        m = PART.match(raw.strip())
         if m is None:
             raise SpecError(
                 f"cannot read variant {text!r}: expected e.g. make_fx[detach=alias]+compile:aot_eager"
             )
         head, knob_text = m["head"], m["knobs"]
         if head == EAGER and len(parts) == 1:
-            knobs.update(_parse_knobs(knob_text, STEP_KNOBS, head))
+            knobs.update(parse_knobs(knob_text, STEP_KNOBS, head))
         elif head == "make_fx" and i == 0:
             capture = "make_fx"
-            knobs.update(_parse_knobs(knob_text, {**STEP_KNOBS, **MAKE_FX_KNOBS}, head))
+            knobs.update(parse_knobs(knob_text, {**STEP_KNOBS, **MAKE_FX_KNOBS}, head))
         elif head.startswith("compile_model:") and len(parts) == 1:
             capture, backend = "model", head.removeprefix("compile_model:")
             if backend not in BACKENDS and backend not in _registered_backends():
                 raise SpecError(
                     f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; backends are: {', '.join(BACKENDS)}"
                 )
-            knobs.update(_parse_knobs(knob_text, {**COMPILE_KNOBS, **STEP_KNOBS}, head))
+            knobs.update(parse_knobs(knob_text, {**COMPILE_KNOBS, **STEP_KNOBS}, head))
         elif head.startswith("compile:") and i == len(parts) - 1:
             backend = head.removeprefix("compile:")
             if backend not in BACKENDS and backend not in _registered_backends():
@@ -230,7 +234,7 @@ def parse_variant(text: str) -> VariantSpec:
                     f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)}; backends are: {', '.join(BACKENDS)}"
                 )
             table = COMPILE_KNOBS if capture == "make_fx" else {**COMPILE_KNOBS, **STEP_KNOBS}
-            knobs.update(_parse_knobs(knob_text, table, head))
+            knobs.update(parse_knobs(knob_text, table, head))
         else:
             known = [EAGER, "make_fx", *(f"compile:{b}" for b in BACKENDS), *(f"compile_model:{b}" for b in BACKENDS),
                      *_USER_VARIANTS]  # fmt: skip
@@ -259,7 +263,7 @@ def parse_variants(given: str | Sequence[str | VariantSpec]) -> list[VariantSpec
     """``"eager,make_fx"`` or a list of spellings / VariantSpec objects, validated and de-duplicated."""
     if given == EAGER and EAGER not in _USER_VARIANTS:  # the default, spelled out without a parse
         return [VariantSpec(EAGER)]
-    items = _split(given) if isinstance(given, str) else list(given)
+    items = split_spellings(given) if isinstance(given, str) else list(given)
     out: list[VariantSpec] = []
     for item in items:
         spec = item if isinstance(item, VariantSpec) else parse_variant(str(item))
@@ -271,7 +275,7 @@ def parse_variants(given: str | Sequence[str | VariantSpec]) -> list[VariantSpec
     return out
 
 
-def _split(text: str) -> list[str]:
+def split_spellings(text: str) -> list[str]:
     """Split on commas outside brackets."""
     items, depth, current = [], 0, ""
     for ch in text:

@@ -17,6 +17,8 @@ from . import (
     consistency_failed,
     create_graph_strides,
     data_dependent_trace,
+    ddp_globally_unused,
+    ddp_locally_unused,
     dead_term,
     donated_buffers,
     double_backward,
@@ -32,6 +34,7 @@ from . import (
     nonfinite_grad,
     nonfinite_term,
     norm_mismatch,
+    rank_divergence,
     recompile_per_scenario,
     requires_grad_placement,
     run_failed,
@@ -43,6 +46,10 @@ from . import (
 from .common import Explained
 
 SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
+    # A map merged over ranks (distributed.merge_maps); nothing on a map of one process.
+    ddp_locally_unused.detect,
+    ddp_globally_unused.detect,
+    rank_divergence.detect,
     dynamo_disabled.detect,
     trace_eval_mode.detect,
     makefx_detach.detect,

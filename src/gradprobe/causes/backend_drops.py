@@ -6,14 +6,13 @@ a rung that raises is another cause), and measured differences in the path itsel
 
 from __future__ import annotations
 
-from ..evidence.compiler_passes import culprit as culprit_pass
+from typing import Any
+
 from ..flowmap import Finding, FlowMap
+from ..wording import op_name
 from .common import differing, runs_of
-from .facts import BISECTIONS
 
 CAUSE = "backend-drops-grads"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({BISECTIONS})
 OWN = "the path's own backend"  # every override rung was right (evidence.bisect._generic_flips)
 
 
@@ -41,7 +40,7 @@ def detect(fm: FlowMap) -> list[Finding]:
         if not bad or not lost:
             continue  # no gradient was measured to differ: no finding may claim one
         last = culprit.get("last_good")
-        named = culprit_pass(b.get("compiler_bisect"))
+        named = _culprit_pass(b.get("compiler_bisect"))
         inside = f"; torch's compiler bisector: {named}" if named else ""
         findings.append(
             Finding(
@@ -78,3 +77,17 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         )
     return findings
+
+
+def _culprit_pass(found: dict[str, Any] | None) -> str:
+    """ "aot_eager_decomp_partition's decomposition #4 (aten.native_dropout)", or "" when torch's compiler
+    bisector (``evidence.compiler_passes``) named no subsystem."""
+    r = (found or {}).get("result")
+    if not r or not r.get("subsystem"):
+        return ""
+    op = op_name(r.get("debug_info"))
+    return (
+        f"{r['backend']}'s {r['subsystem']}"
+        + (f" #{r['bisect_number']}" if r.get("bisect_number") else "")
+        + (f" ({op})" if op else "")
+    )

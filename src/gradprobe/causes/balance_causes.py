@@ -14,8 +14,7 @@ clip-swallows-term (error): gradient clipping, set by another term's norm, shrin
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names
-from .facts import CHECKS
+from ..wording import names
 
 
 def _percent(share: float) -> str:
@@ -31,10 +30,6 @@ def _against(d: dict) -> str:
         for i, (u, v) in enumerate(others.items())
     ]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

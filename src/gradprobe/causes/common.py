@@ -5,19 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..declarations import note_for as note_for  # one mechanism with expect= (detectors import it here)
-
 
 def module_of(parameter: str) -> str:
     """``fitting.layer1.bias`` -> ``fitting.layer1``; a top-level parameter is its own module ``''``."""
     return parameter.rpartition(".")[0]
-
-
-def names(items: Iterable[str], limit: int = 8) -> str:
-    """'a, b, c' with '… and N more' past ``limit``."""
-    items = list(items)
-    shown = ", ".join(items[:limit])
-    return shown + (f" … and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def failed_runs(fm, variant: str, predicate) -> list[str]:  # type: ignore[no-untyped-def]

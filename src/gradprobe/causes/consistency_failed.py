@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import Explained
-from .facts import CHECKS
 
 CAUSE = "consistency-failed"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
 from .common import at_user, failing_variants, in_frames, runs_of
-from .facts import ERRORS
 
 CAUSE = "create-graph-tangent-strides"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({ERRORS})
 MESSAGE = "a leaf Variable that requires grad is being used in an in-place operation"
 FRAME = "coerce_to_expected_memory_format"
 

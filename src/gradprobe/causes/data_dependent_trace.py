@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
 from .common import runs_of, where
-from .facts import ERRORS
 
 CAUSE = "data-dependent-trace"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({ERRORS})
 SIGNATURES = (
     "get value out of a tracing tensor",
     "GuardOnDataDependentSymNode",

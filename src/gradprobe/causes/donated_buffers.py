@@ -15,11 +15,8 @@ from __future__ import annotations
 from ..flowmap import Finding, FlowMap, RunError
 from ..variants import NO_DONATION_BACKENDS
 from .common import at_user, failing_variants, knob_trial, runs_of
-from .facts import ERRORS
 
 CAUSE = "donated-buffers"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({ERRORS})
 SIGNATURE = "non-empty donated buffers"
 KNOB = "donated_buffer"
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, runs_of, where
-from .facts import ERRORS
 
 CAUSE = "double-backward-unsupported"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({ERRORS})
 
 PATTERNS = (
     "forces inside make_fx with detach decomposed to an alias, then compile the first-order graph "

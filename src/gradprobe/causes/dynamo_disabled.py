@@ -8,10 +8,8 @@ runs in which no compiled graph ran."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .facts import ERRORS
 
 CAUSE = "dynamo-disabled"
-READS = frozenset({ERRORS})
 
 
 def disabled(fm: FlowMap) -> dict | None:  # type: ignore[type-arg]

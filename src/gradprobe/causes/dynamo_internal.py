@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap, RunError
 from .common import at_user, failing_variants, runs_of
-from .facts import ERRORS
 
 CAUSE = "dynamo-internal-error"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({ERRORS})
 TYPES = ("InternalTorchDynamoError",)
 
 

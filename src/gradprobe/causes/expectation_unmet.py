@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from ..declarations import note_for, unmet
 from ..flowmap import Finding, FlowMap
-from .common import names, where
-from .facts import EXPECT
+from ..wording import names
+from .common import where
 from .lineage_cuts import places
 
 CAUSE = "expectation-unmet"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({EXPECT})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -18,11 +18,7 @@ from typing import Any
 
 from ..flowmap import Finding, FlowMap
 from .common import physics_results, where
-from .facts import CHECKS
 from .ghost_force_slice import signature as ghost_signature
-
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

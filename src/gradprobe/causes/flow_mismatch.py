@@ -3,34 +3,11 @@ and no more specific cause in the catalogue explains it."""
 
 from __future__ import annotations
 
-from ..compare import EXTRA, MISSING, WRONG
 from ..flowmap import Finding, FlowMap
-from .common import Explained, names
-from .facts import VARIANTS
+from ..wording import names
+from .common import Explained
 
 CAUSE = "flow-mismatch"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
-
-
-def mismatch_summary(fm: FlowMap, variant: str, scenario: str) -> dict[str, object] | None:
-    """Counts, lost/extra parameters and wrong values of one run against the reference; None if equal."""
-    diffs = fm.differences(variant, scenario)
-    if not diffs:
-        return None
-    wrong = {p: c.rel_error for p, c in diffs.items() if c.verdict == WRONG}
-    finite = [e for e in wrong.values() if e is not None and e == e]
-    return {
-        "scenario": scenario,
-        "count": fm.count(variant, scenario)[0],
-        "reference_count": fm.count(fm.reference, scenario)[0],
-        "missing": [p for p, c in diffs.items() if c.verdict == MISSING],
-        # exact zeros apart from no gradient at all: a path that exists but carries nothing
-        "missing_zero": [p for p, c in diffs.items() if c.verdict == MISSING and c.status == "zero"],
-        "extra": [p for p, c in diffs.items() if c.verdict == EXTRA],
-        "wrong": list(wrong),
-        "max_rel_error": max(finite) if finite else None,
-    }
 
 
 def describe(s: dict) -> str:
@@ -56,9 +33,7 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         if v == fm.reference:
             continue
         summaries = [
-            s
-            for sc in fm.scenario_names
-            if (v, sc) not in skip and (s := mismatch_summary(fm, v, sc)) is not None
+            s for sc in fm.scenario_names if (v, sc) not in skip and (s := fm.mismatch(v, sc)) is not None
         ]
         if not summaries:
             continue

@@ -12,13 +12,11 @@ frozen values by their effect on another batch.
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names, where
-from .facts import LINEAGE
+from ..wording import names
+from .common import where
 from .lineage_cuts import TOTAL, cause_of, unreached_in
 
 CAUSE = "frozen-trace"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({LINEAGE})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import physics_results
-from .facts import CHECKS
 
 CAUSE = "ghost-force-slice"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def signature(physics: dict) -> bool:  # type: ignore[type-arg]

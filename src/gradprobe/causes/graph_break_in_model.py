@@ -10,14 +10,13 @@ trace). Parameters a note declares as intended (``notes``) turn the error into i
 
 from __future__ import annotations
 
+from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
-from .common import names, note_for, where
-from .facts import LINEAGE
+from ..wording import names
+from .common import where
 from .lineage_cuts import TOTAL, cause_of, explained_runs, places, status_words, where_seen
 
 CAUSE = "graph-break-in-model"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({LINEAGE})
 
 _SPELLING = {
     "detach": "detach()",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..flowmap import FlowMap
+from ..wording import names
 
 TOTAL = "__total__"
 LEAVING = ("item", "float", "tolist", "numpy")
@@ -143,8 +144,6 @@ def explained_runs(fm: FlowMap, place: Place) -> list[list[str]]:
 
 def status_words(place: Place) -> str:
     """'no gradient: a, b; exact zero: c' for the cut parameters."""
-    from .common import names
-
     none = [p for p, st in place.statuses.items() if st == "none"]
     zero = [p for p, st in place.statuses.items() if st == "zero"]
     parts = []

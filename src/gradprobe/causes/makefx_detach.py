@@ -12,14 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..flowmap import Finding, FlowMap
-from .common import differing, names, runs_of, where
-from .facts import VARIANTS
-from .flow_mismatch import mismatch_summary
+from ..wording import names
+from .common import differing, runs_of, where
 from .lineage_cuts import cause_of, explained_runs, places
 
 CAUSE = "makefx-detach"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
 DEFAULT_FIX = (
     "trace with detach decomposed to an alias (knob detach=alias; "
     "gradprobe.build.NO_DETACH_DECOMPOSITION as make_fx's decomposition_table) or strip the "
@@ -85,7 +82,7 @@ def _finding(
     graph: dict[str, Any],
     bis: Any,
 ) -> Finding:
-    summaries = [s for s in (mismatch_summary(fm, v, sc) for sc in bad) if s]
+    summaries = [s for s in (fm.mismatch(v, sc) for sc in bad) if s]
     worst = max(summaries, key=lambda s: (len(s["missing"]), len(s["wrong"])))
     lost = sorted({p for s in summaries for p in s["missing"]})
     err = worst["max_rel_error"]

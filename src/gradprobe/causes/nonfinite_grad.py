@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
-from .common import names, where
-from .facts import NONFINITE
+from ..wording import names
+from .common import where
 
 CAUSE = "nonfinite-grad"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({NONFINITE})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -14,12 +14,9 @@ import math
 
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
-from .common import names
-from .facts import NONFINITE
+from ..wording import names
 
 CAUSE = "nonfinite-term"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({NONFINITE})
 
 
 def _bad(x: float | None) -> bool:

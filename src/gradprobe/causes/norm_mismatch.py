@@ -14,11 +14,8 @@ import math
 
 from ..flowmap import Finding, FlowMap
 from .common import runs_of
-from .facts import VARIANTS
 
 CAUSE = "norm-mismatch"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
 RATIO_TOL = 1e-6
 COSINE_MIN = 0.9999
 SCALE_TOL = 1e-3

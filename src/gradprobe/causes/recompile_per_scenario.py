@@ -16,11 +16,8 @@ from typing import Any
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, runs_of, where
 from .dynamo_disabled import disabled
-from .facts import DYNAMO, ERRORS
 
 CAUSE = "recompile-per-scenario"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({DYNAMO, ERRORS})
 
 _NUMBER = re.compile(r"==\s*-?\d|float|\bint\(|bool|___stack")
 

@@ -7,12 +7,10 @@ not use, and runs of that path with no gradient path or nothing reached."""
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import failed_runs, names, runs_of, where
-from .facts import LINEAGE
+from ..wording import names
+from .common import failed_runs, runs_of, where
 
 CAUSE = "requires-grad-placement"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({LINEAGE})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import Explained, where
-from .facts import ERRORS
 
 CAUSE = "run-failed"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({ERRORS})
 
 
 def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:

@@ -4,12 +4,9 @@ second batch of the same shapes: the trace froze trace-time tensors (``pre_dispa
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names
-from .facts import VARIANTS
+from ..wording import names
 
 CAUSE = "frozen-trace"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({VARIANTS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
-from .common import names
-from .facts import CHECKS
+from ..wording import names
 
 CAUSE = "shape-locked"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({CHECKS})
 
 
 def detect(fm: FlowMap) -> list[Finding]:

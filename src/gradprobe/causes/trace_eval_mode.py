@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, runs_of, where
-from .facts import BISECTIONS, LINEAGE
 from .lineage_cuts import cause_of, explained_runs, places, where_seen
 
 CAUSE = "trace-eval-mode"
-# The facts (causes.facts) without which this detector finds nothing: it runs where one holds.
-READS = frozenset({LINEAGE, BISECTIONS})
 FIX = (
     "call model.train() before the step or the trace (knob mode=train); forces need create_graph=True "
     "to train"

@@ -7,9 +7,11 @@ at 0); it trains after the first steps and must not be frozen. One with *no grad
 
 from __future__ import annotations
 
+from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..status import ZERO
-from .common import Explained, module_of, names, note_for
+from ..wording import names
+from .common import Explained, module_of
 
 CAUSE = "unused-parameter"
 

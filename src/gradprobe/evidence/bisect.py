@@ -147,13 +147,13 @@ def _user_flips(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, V
     the first trial is that cheaper backend. If it restores the flow, the backend is the culprit; if the
     failure reproduces there, the other knobs are flipped on it (cheap trials) and the fix found is
     verified once on the path's own backend."""
-    from ..variants import _spell, with_user_knobs
+    from ..variants import spell, with_user_knobs
 
     base = failing
     cheap = _cheaper_backend(failing)
     if cheap is not None:
         current = failing.knob("backend")
-        change = f"backend={_spell(current)} → {_spell(cheap)}"
+        change = f"backend={spell(current)} → {spell(cheap)}"
         on_cheap = with_user_knobs(failing, backend=cheap)
         if trial("backend", change + " (cheapest first)", on_cheap):
             b.culprit = {"knob": "backend", "change": change}
@@ -168,7 +168,7 @@ def _user_flips(b: Bisection, failing: VariantSpec, trial: Callable[[str, str, V
         for value in allowed:
             if value == current:
                 continue
-            change = f"{knob}={_spell(current)} → {_spell(value)}"
+            change = f"{knob}={spell(current)} → {spell(value)}"
             flipped = with_user_knobs(base, **{knob: value})
             if trial(knob, change, flipped):
                 b.culprit = {"knob": knob, "change": change}

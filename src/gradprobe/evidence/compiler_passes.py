@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..progress import stage
+from ..wording import op_name
 
 # Backends whose subsystems CompilerBisector knows (the others have none to switch off).
 WITH_SUBSYSTEMS = ("aot_eager_decomp_partition", "inductor")
@@ -136,25 +137,3 @@ def describe(found: dict[str, Any]) -> str:
         info = op_name(r.get("debug_info"))
         text += f" (application #{r['bisect_number']}" + (f": {info})" if info else ")")
     return text
-
-
-def culprit(found: dict[str, Any] | None) -> str:
-    """ "aot_eager_decomp_partition's decomposition #4 (aten.native_dropout)", or "" when the bisector
-    named no subsystem (the words of the backend-drops-grads finding)."""
-    r = (found or {}).get("result")
-    if not r or not r.get("subsystem"):
-        return ""
-    op = op_name(r.get("debug_info"))
-    return (
-        f"{r['backend']}'s {r['subsystem']}"
-        + (f" #{r['bisect_number']}" if r.get("bisect_number") else "")
-        + (f" ({op})" if op else "")
-    )
-
-
-def op_name(info: Any) -> str:
-    """``<OpOverload(op='aten.native_dropout', overload='default')>`` -> ``aten.native_dropout``."""
-    text = str(info or "")
-    if "op='" in text:
-        return text.split("op='", 1)[1].split("'", 1)[0]
-    return text[:120]

@@ -18,7 +18,7 @@ import msgspec
 
 from ..flowmap import Finding, FlowMap, Run
 from .controls import visible
-from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
+from .terminal import cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 SYMBOL = {"nan": "N", "inf": "∞", "zero": "0", "failed": "×", "wrong": "≠", "missing": "−", "extra": "+"}
 LEGEND = (
@@ -156,7 +156,7 @@ def _summary(fm: FlowMap) -> str:
     for s in fm.scenario_names:
         cells = []
         for v in fm.variant_names:
-            text, differs = _cell_text(fm, v, s) if _run(fm, v, s) else ("no run", True)
+            text, differs = cell_text(fm, v, s) if _run(fm, v, s) else ("no run", True)
             text = text.removesuffix(" !") + (" ⚠" if text.endswith(" !") else "")
             cells.append(f'<td class="num{" bad" * differs}">{esc(text)}</td>')
         rows.append([esc(s), *cells])

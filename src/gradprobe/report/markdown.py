@@ -13,7 +13,7 @@ import re
 
 from ..flowmap import Finding, FlowMap
 from .controls import visible
-from .terminal import _cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
+from .terminal import cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
 
 DIFFERS = "⚠"
 _SEVERITY = {"error": "🛑 ERROR", "warning": "⚠️ WARNING", "info": "ℹ️ INFO"}
@@ -85,7 +85,7 @@ def summary_markdown(fm: FlowMap) -> list[str]:
     for s in fm.scenario_names:
         cells = []
         for v in fm.variant_names:
-            text, _ = _cell_text(fm, v, s)
+            text, _ = cell_text(fm, v, s)
             cells.append(md_escape(text.removesuffix(" !")) + (f" {DIFFERS}" if text.endswith(" !") else ""))
         rows.append([md_escape(s), *cells])
     header = ["scenario", *(md_escape(v) for v in fm.variant_names)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..causes.common import names, note_for
-from ..causes.flow_mismatch import mismatch_summary
+from ..declarations import note_for
 from ..flowmap import Finding, FlowMap, RunError
+from ..wording import names
 from .controls import visible
 
 LABEL_WIDTH = 23
@@ -31,7 +31,7 @@ def error_text(error: RunError) -> str:
     return f"error: {error.type}"
 
 
-def _cell_text(fm: FlowMap, variant: str, scenario: str) -> tuple[str, bool]:
+def cell_text(fm: FlowMap, variant: str, scenario: str) -> tuple[str, bool]:
     """(text, differs from the reference)."""
     run = fm.run(variant, scenario)
     if run.error is not None:
@@ -44,7 +44,7 @@ def _cell_text(fm: FlowMap, variant: str, scenario: str) -> tuple[str, bool]:
 def table_cells(fm: FlowMap, variants: Sequence[str]) -> list[list[tuple[str, bool]]]:
     """Per variant (column), per scenario (row): (cell text, the cell is a problem: the run failed, or
     it differs from the reference)."""
-    return [[_cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
+    return [[cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
 
 
 def summary_table(fm: FlowMap, variants: Sequence[str] | None = None) -> str:
@@ -108,7 +108,7 @@ def interpretation_lines(fm: FlowMap) -> list[str]:
                 continue
             if ref_run.error is not None:
                 continue
-            summary = mismatch_summary(fm, v, s)
+            summary = fm.mismatch(v, s)
             if summary is None:
                 continue
             lines.append(f"{s}, {v}: {_meaning(fm, v, s, summary)}")
