@@ -104,7 +104,7 @@ class _Measured:
     results: list[Measurement]
 
 
-CHECKS = ("physics", "shapes", "training", "balance")
+CHECKS = ("physics", "shapes", "training", "balance", "gradients")
 
 
 def _is_plain_eager(v: VariantSpec) -> bool:
@@ -400,6 +400,40 @@ def _run_checks(state: _Probe) -> None:
                     spec, model, [x.variant for x in measured], mode, terms, scenarios, batch, ref_name
                 ),
             )
+    if "gradients" in state.checks or state.diagnose:
+        with stage("check: gradients (finite differences of each term)"):
+            state.checked["gradients"] = _checked("gradients", lambda: _gradients(state))
+
+
+def _gradients(state: _Probe) -> dict[str, Any]:
+    """The finite-difference check of every path that measured each term (``gradcheck.py``): the
+    reference on a float64 copy where it can, the other paths on the model itself."""
+    from . import gradcheck
+
+    spec, model, mode, terms, batch = state.spec, state.model, state.mode, state.terms, state.batch
+    paths = []
+    step_seconds = 0.0
+    for x in state.measured:
+        if all(m.error is not None for m in x.results):
+            continue  # nothing measured on this path: nothing to check its gradients against
+        step_seconds = max(step_seconds, max(m.seconds for m in x.results))
+        built = state.builds.get(x.info.name)
+        if built is None:  # a plain eager path: the step itself
+            if x.info.name != state.reference and any(p.name == state.reference for p in paths):
+                continue  # the same computation as the reference
+            weighted = VariantContext(model, spec.step, mode, terms, batch, {}, seed=spec.seed).weighted()
+            paths.append(
+                gradcheck.reference_path(x.info.name, model, weighted, batch, terms, mode, spec.seed)
+            )
+        elif built.run is not None:
+            run = built.run
+            paths.append(
+                gradcheck.Path(
+                    x.info.name, lambda w, run=run: run(batch, w), list(state.trainable), list(model.buffers()),
+                    "the model",
+                )
+            )  # fmt: skip
+    return gradcheck.gradients_check(paths, terms, mode, spec.seed, gradcheck.budget(step_seconds))
 
 
 def _gather_evidence(state: _Probe) -> None:

@@ -64,6 +64,10 @@ class Entry:
     fixed: bool
     file: str
     of: str  # the bug case a twin belongs to ("" otherwise)
+    # The severity the main finding of a bug case must have: an error, or a warning where only the user
+    # can know whether the construct is meant (an explicit stop-gradient the step works around, a custom
+    # Function's surrogate gradient) and the tool asks.
+    severity: str = "error"
 
     @property
     def root_line(self) -> int | None:
@@ -102,6 +106,7 @@ def case(
     container: str = "reference",
     expect: Iterable[str] = (),
     intended: bool = False,
+    severity: str = "error",
 ) -> Callable[[Callable[[bool], Built]], Callable[[bool], Built]]:
     """Register ``build(fixed)``: a bug case and its twin ``<id>-fixed``, or (``intended=True``) one
     intended case that must give no error."""
@@ -122,6 +127,7 @@ def case(
                 fixed=fixed,
                 file=file,
                 of=of,
+                severity=severity if kind == "bug" else "error",
             )
 
         if intended:

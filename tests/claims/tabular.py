@@ -110,6 +110,7 @@ def strength_losses(net: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str,
     family="tabular",
     mechanism="custom Function backward x0.9",
     expect={"gradient-mismatch"},
+    severity="warning",  # a surrogate gradient is meant to differ: the tool asks (issue 32)
 )
 def build_softplus(fixed: bool):
     act = SoftplusExact if fixed else SoftplusCheap

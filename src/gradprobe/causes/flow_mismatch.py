@@ -37,7 +37,11 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         ]
         if not summaries:
             continue
-        message = f"{v} does not match {fm.reference}: " + " | ".join(describe(s) for s in summaries)
+        message = (
+            f"{v} does not match {fm.reference}: "
+            + " | ".join(describe(s) for s in summaries)
+            + "; cause not known: no cause in the catalogue matches what was measured"
+        )
         fix = (
             f"compare {v} with {fm.reference} parameter by parameter (the diff below); bisect the "
             "variant's knobs (capture, detach handling, mode, backend) to find the step that breaks it"

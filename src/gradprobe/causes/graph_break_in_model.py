@@ -14,29 +14,25 @@ from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import where
-from .lineage_cuts import TOTAL, cause_of, explained_runs, places, status_words, where_seen
+from .lineage_cuts import SPELLING as _SPELLING
+from .lineage_cuts import (
+    TOTAL,
+    chain_words,
+    classify,
+    explained_runs,
+    fd_words,
+    places,
+    status_words,
+    where_seen,
+)
 
 CAUSE = "graph-break-in-model"
-
-_SPELLING = {
-    "detach": "detach()",
-    "data": ".data",
-    "no_grad": "an op under torch.no_grad()",
-    "inference_mode": "an op under torch.inference_mode()",
-    "item": ".item()",
-    "float": "float()",
-    "tolist": ".tolist()",
-    "numpy": ".numpy()",
-    "int_cast": "an integer cast",
-    "non_differentiable": "an op whose output carries no gradient",
-    "autograd_grad_no_create_graph": "torch.autograd.grad without create_graph",
-}
 
 
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
     for place in places(fm):
-        if cause_of(place.site) != CAUSE:
+        if classify(fm, place) != CAUSE:
             continue
         site = place.site
         kind = str(site.get("kind"))
@@ -50,8 +46,10 @@ def detect(fm: FlowMap) -> list[Finding]:
             f"reach ({status_words(place)}) — the chain is cut by "
             f"{_SPELLING.get(kind, kind)} at {where(site)}"
             + (f" (graph node {site['node']})" if site.get("node") else "")
+            + chain_words(place)
             + (f"; {seen}" if seen else "")
             + (f"; other terms still reach {names(others)}" if others else "")
+            + (f"; {fd}" if (fd := fd_words(fm, place)) else "")
         )
         if intended:
             message += " — intended: " + "; ".join(sorted(set(notes.values())))

@@ -1,9 +1,12 @@
 """Cuts read from lineage evidence: which term loses which parameters at which site, in which path.
 
-Not a cause itself: the causes that name a cut (graph-break-in-model, makefx-detach, trace-eval-mode,
-frozen-trace) share this reading. A cut is a parameter that a term's *value* depends on while the
-term's *gradient* to it, as measured in that path, is none or exactly zero; it is attributed to the
-cut sites in the term's history that carried that parameter. Dependence that left torch (``.item()``,
+Not a cause itself: the causes that name a cut (graph-break-in-model, stop-gradient, gradient-mismatch,
+makefx-detach, trace-eval-mode, frozen-trace) share this reading. A cut is a parameter that a term's
+*value* depends on while the term's *gradient* to it, as measured in that path, is none or exactly zero
+— or is there but off its finite differences (the ``gradients`` check: a cut on one of two routes
+leaves the parameter reached with a wrong value). It is attributed to the cut sites in the term's
+history that carried that parameter; where one such site lies in another's history (a chain of cuts),
+the first is the root and the later ones its consequences. Dependence that left torch (``.item()``,
 NumPy) counts only where finite differences confirmed the term moves with the parameter.
 """
 
@@ -18,6 +21,11 @@ from ..wording import names
 
 TOTAL = "__total__"
 LEAVING = ("item", "float", "tolist", "numpy")
+FUNCTION = "custom_function"
+WRONG = "wrong"  # a parameter's status in a place: reached, but with a gradient off its finite differences
+# Constructs a user writes to stop a gradient on purpose (a GAN critic on fake.detach(), a target
+# computed under no_grad): a warning when the step still trains those parameters another way.
+EXPLICIT = ("detach", "no_grad", "inference_mode")
 
 
 @dataclass
@@ -28,7 +36,8 @@ class Place:
     variants: list[str] = field(default_factory=list)
     terms: list[str] = field(default_factory=list)
     parameters: list[str] = field(default_factory=list)
-    statuses: dict[str, str] = field(default_factory=dict)  # parameter -> "none" | "zero" (first seen)
+    statuses: dict[str, str] = field(default_factory=dict)  # parameter -> "none" | "zero" | "wrong"
+    later: list[dict[str, Any]] = field(default_factory=list)  # cut sites after it in a chain
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -37,8 +46,11 @@ class Place:
 
 
 def cause_of(site: Mapping[str, Any]) -> str:
-    """Which catalogue entry a cut site belongs to."""
+    """Which catalogue entry a cut site belongs to (``classify`` refines graph-break-in-model by what
+    was measured)."""
     kind = site.get("kind")
+    if kind == FUNCTION:
+        return "gradient-mismatch"
     if kind == "autograd_grad_no_create_graph":
         return "trace-eval-mode" if "eval mode" in str(site.get("detail", "")) else "graph-break-in-model"
     if kind == "baked_constant":
@@ -71,6 +83,52 @@ def unreached_in(fm: FlowMap, variant: str, scenario: str) -> dict[str, str] | N
     return {p: c.status for p, c in fm.cells_of(variant, scenario).items() if c.status in ("none", "zero")}
 
 
+def explicit(site: Mapping[str, Any]) -> bool:
+    """A stop-gradient the user wrote as such: ``.detach()`` in the step's own code, a ``no_grad`` /
+    ``inference_mode`` block (not ``.data``, a NumPy or ``.item()`` round trip, a cast)."""
+    kind = site.get("kind")
+    return kind in EXPLICIT and (kind != "detach" or ".detach" in str(site.get("code", "")))
+
+
+def reached_elsewhere(fm: FlowMap, place: Place) -> bool:
+    """Every parameter the place cuts still gets a gradient from the step in those paths: from another
+    term, or the same term through the tensor that was not detached."""
+    for v in place.variants:
+        reached = set()
+        for s in fm.scenario_names:
+            reached |= fm.reached(v, s)
+        if not all(p in reached for p in place.parameters):
+            return False
+    return True
+
+
+def classify(fm: FlowMap, place: Place) -> str:
+    """The cause a place is reported under: an explicit stop-gradient the step works around is
+    ``stop-gradient`` (a warning); a cut that leaves every parameter reached, only with wrong values,
+    is ``gradient-mismatch``; the rest as ``cause_of`` says."""
+    cause = cause_of(place.site)
+    if cause != "graph-break-in-model":
+        return cause
+    # In the reference the construct is the user's method; only in another path, it is that path
+    # departing from the reference (the same step, written without it, trains these parameters).
+    if explicit(place.site) and fm.reference in place.variants and reached_elsewhere(fm, place):
+        return "stop-gradient"
+    if place.statuses and all(st == WRONG for st in place.statuses.values()):
+        return "gradient-mismatch"
+    return cause
+
+
+def fd_off(fm: FlowMap, variant: str, term: str) -> set[str]:
+    """Parameters along which the gradients check found ``term``'s gradient in ``variant`` off its
+    finite differences."""
+    entry = (
+        (((fm.checks.get("gradients") or {}).get("paths") or {}).get(variant) or {}).get("terms") or {}
+    ).get(term)
+    if not isinstance(entry, Mapping) or entry.get("status") != "disagrees":
+        return set()
+    return set(entry.get("parameters") or ())
+
+
 def _confirmed(fm: FlowMap, variant: str) -> dict[str, set[str]]:
     """Leaving site id -> terms that finite differences showed to move with its parameters."""
     out: dict[str, set[str]] = {}
@@ -81,8 +139,10 @@ def _confirmed(fm: FlowMap, variant: str) -> dict[str, set[str]]:
 
 
 def places(fm: FlowMap) -> list[Place]:
-    """Every cut site that costs some term a parameter, in some path, merged by place."""
+    """Every cut site that costs some term a parameter (or its gradient's value), in some path, merged by
+    place; a site that only follows another in a chain is listed under that one (``Place.later``)."""
     merged: dict[tuple[Any, ...], Place] = {}
+    later: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for variant, lin in (fm.evidence.get("lineage") or {}).items():
         if lin.get("error") or variant not in fm.variant_names:
             continue
@@ -91,7 +151,11 @@ def places(fm: FlowMap) -> list[Place]:
         for term, tl in (lin.get("terms") or {}).items():
             scenario = _scenario_for(fm, term)
             missing = unreached_in(fm, variant, scenario) if scenario is not None else None
-            if not missing:
+            if missing is None:
+                continue
+            off = fd_off(fm, variant, term) - set(missing)
+            statuses = {**missing, **dict.fromkeys(off, WRONG)}
+            if not statuses:
                 continue
             carried = set(tl.get("depends_on") or ()) - set(tl.get("cut") or ())
             cut = [p for p in tl.get("cut") or () if p in missing]
@@ -100,18 +164,38 @@ def places(fm: FlowMap) -> list[Place]:
                 site = sites.get(sid)
                 if site is None or site.get("kind") in LEAVING:
                     continue
-                hit = [p for p in cut if p in (site.get("parameters") or ())]
+                params = site.get("parameters") or ()
+                # A custom Function cuts nothing: it is blamed only where its gradient was measured off.
+                hit = [] if site.get("kind") == FUNCTION else [p for p in cut if p in params]
+                hit += [p for p in params if p in off and p not in hit]
                 if hit:
                     found.append((site, hit))
             # Dependence that left torch: blamed only where finite differences confirmed it.
             for site in sites.values():
-                if site.get("kind") in LEAVING and term in confirmed.get(str(site["id"]), set()):
-                    hit = [p for p in site.get("parameters") or () if p in missing and p not in carried]
+                if site.get("kind") in LEAVING and (
+                    term in confirmed.get(str(site["id"]), set()) or off & set(site.get("parameters") or ())
+                ):
+                    hit = [p for p in site.get("parameters") or () if p in statuses and p not in carried]
                     if hit:
                         found.append((site, hit))
+            ids = {site["id"] for site, _ in found}
             for site, hit in found:
-                _add(merged, site, variant, term, hit, missing)
+                earlier = [
+                    i for i in site.get("after") or () if i in ids and sites[i].get("kind") != FUNCTION
+                ]
+                if earlier:  # a later link of a chain: reported with the first
+                    later.setdefault(_key(sites[earlier[0]]), []).append(site)
+                    continue
+                _add(merged, site, variant, term, hit, statuses)
+    for key, place in merged.items():
+        for site in later.get(key, ()):
+            if site not in place.later:
+                place.later.append(site)
     return list(merged.values())
+
+
+def _key(site: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (site.get("kind"), site.get("file"), site.get("line"), site.get("node"))
 
 
 def _add(
@@ -122,8 +206,7 @@ def _add(
     hit: Iterable[str],
     missing: Mapping[str, str],
 ) -> None:
-    key = (site.get("kind"), site.get("file"), site.get("line"), site.get("node"))
-    place = merged.setdefault(key, Place(site))
+    place = merged.setdefault(_key(site), Place(site))
     if variant not in place.variants:
         place.variants.append(variant)
     if term not in place.terms:
@@ -161,3 +244,50 @@ def where_seen(fm: FlowMap, place: Place) -> str:
             "in the reference path (and every path that runs the same code)" if len(fm.variants) > 1 else ""
         )
     return "only in " + ", ".join(place.variants)
+
+
+SPELLING = {
+    "detach": "detach()",
+    "data": ".data",
+    "no_grad": "an op under torch.no_grad()",
+    "inference_mode": "an op under torch.inference_mode()",
+    "item": ".item()",
+    "float": "float()",
+    "tolist": ".tolist()",
+    "numpy": ".numpy()",
+    "int_cast": "an integer cast",
+    "non_differentiable": "an op whose output carries no gradient",
+    "autograd_grad_no_create_graph": "torch.autograd.grad without create_graph",
+    "custom_function": "a custom autograd.Function",
+}
+
+
+def chain_words(place: Place) -> str:
+    """'; the value is cut again later at x.py:12 (.item())' for the later links of a chain."""
+    if not place.later:
+        return ""
+    from .common import where
+
+    shown = [f"{where(s)} ({SPELLING.get(str(s.get('kind')), s.get('kind'))})" for s in place.later[:3]]
+    return (
+        "; the same value is cut again after it at "
+        + ", ".join(shown)
+        + " (a consequence: this is the first cut)"
+    )
+
+
+def fd_words(fm: FlowMap, place: Place) -> str:
+    """What the gradients check measured for the place's terms in its paths: the largest relative gap
+    between autograd and the finite differences, where it was measured off."""
+    gaps = []
+    for v in place.variants:
+        for t in place.terms:
+            entry = (
+                (((fm.checks.get("gradients") or {}).get("paths") or {}).get(v) or {}).get("terms") or {}
+            ).get(t)
+            if isinstance(entry, Mapping) and entry.get("status") == "disagrees":
+                gaps.append((float(entry.get("rel_error") or 0.0), v, t))
+    if not gaps:
+        return ""
+    gap, v, t = max(gaps)
+    return f"finite differences of {t} ({v}) differ from its gradient by {gap:.0%} along these parameters"

@@ -25,7 +25,9 @@ def detect(fm: FlowMap) -> list[Finding]:
     for v in [v for v in fm.variant_names if found.get(v)]:
         failed = failed_runs(fm, v, lambda e: e.type == "NoGradPath")
         empty = [s for s in fm.scenario_names if fm.run(v, s).error is None and fm.count(v, s)[0] == 0]
-        runs += runs_of(v, failed + empty)
+        # The terms that reach nothing alone; every scenario holding one of them is a consequence.
+        dead = {t for s in fm.scenarios if s.name in failed + empty for t in s.terms if len(s.terms) == 1}
+        runs += runs_of(v, [s.name for s in fm.scenarios if s.name in failed + empty or dead & set(s.terms)])
     if not runs:
         return []
     scen = sorted({s for _, s in runs})
@@ -34,8 +36,8 @@ def detect(fm: FlowMap) -> list[Finding]:
             CAUSE,
             "error",
             f"{', '.join(scen)}: the terms derived from that gradient reach no parameter: autograd.grad at "
-            f"{where(b)} differentiates a tensor the energy does not depend on (its gradient is None: the tensor "
-            "that got requires_grad_ is re-created before the model uses it)"
+            f"{where(b)} differentiates a tensor the energy does not depend on ({b.get('detail') or 'an unused input'}: "
+            "the tensor that got requires_grad_ is not the one the model consumes)"
             + (f"; cut parameters: {names(b.get('parameters') or [])}" if b.get("parameters") else ""),
             evidence={"runs": runs, "break": b},
             location=b,

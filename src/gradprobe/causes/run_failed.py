@@ -25,7 +25,8 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                     CAUSE,
                     "error",
                     f"variant {v.name} failed to {v.error.stage}: {v.error.type}: {v.error.message}"
-                    + (f" (at {where(at)})" if at else ""),
+                    + (f" (at {where(at)})" if at else "")
+                    + "; cause not known: no failure signature in the catalogue matches",
                     evidence={
                         "variant": v.name,
                         "stage": v.error.stage,
@@ -49,7 +50,8 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                 CAUSE,
                 "error",
                 f"{len(failed)} run(s) of {v.name} failed ({scen}): {first.stage}: {first.type}: {first.message}"
-                + (f" (at {where(at)})" if at else ""),
+                + (f" (at {where(at)})" if at else "")
+                + ("" if no_path else "; cause not known: no failure signature in the catalogue matches"),
                 evidence={
                     "variant": v.name,
                     "runs": [[v.name, r.scenario] for r in failed],

@@ -36,22 +36,32 @@ def detect(fm: FlowMap) -> list[Finding]:
         # autograd.grad without retain_graph also frees the graph: the energy's own backward then raises.
         freed = [[v, s] for v in place.variants for s in failed_runs(fm, v, _detached_symptom)]
         runs = explained_runs(fm, place) + [r for r in freed if r not in explained_runs(fm, place)]
+        # The root: the call in the step that switched the module to eval mode, where the lineage saw it;
+        # else the model arrived in eval mode (set before the probe).
+        root = site.get("root")
+        how = (
+            f"the step switches {root['module'] or 'the model'} to eval mode at {where(root)}"
+            if root
+            else "the model arrived in eval mode (no .eval() ran inside the step)"
+        )
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{', '.join(place.terms)}: the model runs in eval mode, so forces computed with "
-                "create_graph=self.training come out detached and these terms have no gradient path to "
-                f"{len(place.parameters)} parameter(s) they depend on — autograd.grad without create_graph "
-                f"at {where(site)}" + (f"; {seen}" if seen else ""),
+                f"{', '.join(place.terms)}: {how}, so forces computed with create_graph=self.training come out "
+                f"detached and these terms have no gradient path to {len(place.parameters)} parameter(s) they "
+                f"depend on — autograd.grad without create_graph at {where(site)}"
+                + (f"; {seen}" if seen else ""),
                 evidence={
                     "variants": place.variants,
                     "runs": runs,
                     "site": site,
                     "parameters": place.parameters,
                 },
-                location={**site, "variants": place.variants},
-                fix=FIX,
+                location={**(root or site), "variants": place.variants},
+                fix=FIX
+                if root is None
+                else f"remove the eval() call at {where(root)} (or call model.train() after it)",
             )
         )
     for v in fm.variants:

@@ -56,6 +56,9 @@ from ..frames import FX_CODE, TORCH_DIR, is_user_file, user_frame_in_stack_trace
 DETACH, DATA, NO_GRAD, INFERENCE = "detach", "data", "no_grad", "inference_mode"
 INT_CAST, BAKED, NONFINITE, NON_DIFF = "int_cast", "baked_constant", "nonfinite", "non_differentiable"
 NO_CREATE_GRAPH, UNUSED_INPUT = "autograd_grad_no_create_graph", "autograd_grad_unused_input"
+# Not a cut: the call of a custom autograd.Function in a value's history, whose backward (not autograd)
+# decides the gradient. Named when the gradients check finds that gradient off its finite differences.
+FUNCTION = "custom_function"
 ITEM, FLOAT, TOLIST, NUMPY = "item", "float", "tolist", "numpy"
 LEAVING = (ITEM, FLOAT, TOLIST, NUMPY)
 KINDS = (
@@ -69,6 +72,7 @@ KINDS = (
     NON_DIFF,
     NO_CREATE_GRAPH,
     UNUSED_INPUT,
+    FUNCTION,
     *LEAVING,
 )
 
@@ -105,13 +109,17 @@ class CutSite:
     node: str | None = None
     detail: str = ""
     feeds_backward: bool = False  # an FX-replay tensor from this site is used by a *_backward op
+    after: tuple[int, ...] = ()  # cut sites already in the history of the value cut here (a chain)
+    # The call that set this site up, where it is not the site's own line: the .eval()/.train(False)
+    # that switched the module out of training before an autograd.grad without create_graph.
+    root: dict[str, Any] | None = None
 
     @property
     def leaving(self) -> bool:
         return self.kind in LEAVING
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "parameters": list(self.parameters)}
+        return {**asdict(self), "parameters": list(self.parameters), "after": list(self.after)}
 
 
 @dataclass
@@ -143,6 +151,7 @@ class PathLineage:
     error: str | None = None
     seconds: float = 0.0
     ops: int = 0
+    mode_calls: list[dict[str, Any]] = field(default_factory=list)  # .eval()/.train() the step called
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,6 +161,7 @@ class PathLineage:
             "error": self.error,
             "seconds": self.seconds,
             "ops": self.ops,
+            "mode_calls": self.mode_calls,
         }
 
 
@@ -177,13 +187,14 @@ def _floating(t: Tensor) -> bool:
 class _Site:
     """A cut site while it is being recorded: widened by every later pass of the same place."""
 
-    __slots__ = ("at", "bits", "detail", "feeds_backward", "history", "id", "kind", "op")
+    __slots__ = ("at", "bits", "detail", "feeds_backward", "history", "id", "kind", "op", "root")
 
     def __init__(self, sid: int, kind: str, op: str, at: dict[str, Any], detail: str) -> None:
         self.id, self.kind, self.op, self.at, self.detail = sid, kind, op, at, detail
         self.bits = 0
-        self.history = 0  # a leaving site: the cut sites in the history of the value that left
+        self.history = 0  # the cut sites in the history of the value cut (or that left) here
         self.feeds_backward = False
+        self.root: dict[str, Any] | None = None
 
     def frozen(self, names_of: Callable[[int], tuple[str, ...]]) -> CutSite:
         at = self.at
@@ -197,6 +208,7 @@ class _Site:
         return CutSite(
             self.id, self.kind, self.op, at["module"], at["module_type"], at["file"], at["line"], at["code"],
             names_of(self.bits), at.get("container", "python"), at.get("node"), detail, self.feeds_backward,
+            tuple(i for i in range(self.id) if self.history >> i & 1), self.root,
         )  # fmt: skip
 
 
@@ -230,6 +242,7 @@ class _Recorder:
         self.made_by_function: WeakIdKeyDictionary = WeakIdKeyDictionary()  # -> (file, line) of its apply
         self.ops = 0
         self.node_cache: dict[int, dict[str, torch.fx.Node]] = {}
+        self.mode_calls: list[dict[str, Any]] = []  # module.train(False)/eval() the step called, in order
 
     # ----- where ---------------------------------------------------------------------------------
 
@@ -308,10 +321,12 @@ class _Recorder:
         detail: str = "",
         value: int = 0,
         at: tuple[str, int] | None = None,
+        history: int = 0,
     ) -> _Site:
         """The cut site at the current place, or at ``at`` = (file, line) (created, or widened by
         ``bits``, plus the frozen sources among ``value``: they can never carry gradient, but the values
-        cut there depend on them)."""
+        cut there depend on them). ``history``: the sites already in the history of the value cut here
+        (the earlier links of a chain of cuts)."""
         bits |= value & self.frozen
         if at is None:
             at = self.where(grad_off=kind in (NO_GRAD, INFERENCE))
@@ -332,6 +347,7 @@ class _Recorder:
             site = self.by_place[key] = _Site(len(self.sites), kind, op, at, detail)
             self.sites.append(site)
         site.bits |= bits
+        site.history |= history & ~(1 << site.id)
         return site
 
     def names_of(self, bits: int) -> tuple[str, ...]:
@@ -345,6 +361,30 @@ class _Recorder:
 
     def cut_sites(self) -> list[CutSite]:
         return [x.frozen(self.names_of) for x in self.sites]
+
+    def mode_call(self, module: nn.Module, mode: bool) -> None:
+        """``module.train(mode)`` (or ``.eval()``) called while the step runs: which module, where."""
+        if module not in self.module_names:
+            return
+        frame = sys._getframe(2)
+        while frame is not None and not is_user_file(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:
+            return
+        file, line = frame.f_code.co_filename, frame.f_lineno
+        self.mode_calls.append({"module": self.module_names[module], "mode": "train" if mode else "eval",
+                                "file": file, "line": line, "code": linecache.getline(file, line).strip()})  # fmt: skip
+
+    def eval_call_over(self, module: nn.Module | None) -> dict[str, Any] | None:
+        """The last ``.eval()`` the step called on ``module`` or a module holding it, if any."""
+        name = self.module_names.get(module) if module is not None else None
+        if name is None:
+            return None
+        for call in reversed(self.mode_calls):
+            owner = call["module"]
+            if owner == "" or name == owner or name.startswith(owner + "."):
+                return call if call["mode"] == "eval" else None
+        return None
 
     def enter(self, module: nn.Module, args: Any) -> None:
         if module in self.module_names:
@@ -389,7 +429,9 @@ class _Ops(TorchDispatchMode):
         if name == "_local_scalar_dense":
             if v:
                 kind = FLOAT if rec.python_op and rec.python_op[-1] == "Tensor.__float__" else ITEM
-                site = rec.site(kind, _python_name(rec, func), g or v, "leaves torch as a Python number", v)
+                site = rec.site(
+                    kind, _python_name(rec, func), g or v, "leaves torch as a Python number", v, history=s
+                )
                 rec.leaving.append((site, out))
             return out
         if name in _LIFT:
@@ -415,8 +457,12 @@ class _Ops(TorchDispatchMode):
             if caller is None:
                 kind = self._no_grad_kind(inference)
             else:
+                place = (caller.f_code.co_filename, caller.f_lineno)
+                function = rec.site(FUNCTION, _function_name(caller), g, "its backward gives the gradient", v,
+                                    at=place, history=s)  # fmt: skip
+                s |= 1 << function.id
                 for t in tensors_in(out):
-                    rec.made_by_function[t] = (caller.f_code.co_filename, caller.f_lineno)
+                    rec.made_by_function[t] = place
         op = "torch.autograd.grad" if kind == NO_CREATE_GRAPH else _python_name(rec, func)
         written = [
             a for a, arg in zip(args, func._schema.arguments, strict=False)
@@ -427,24 +473,32 @@ class _Ops(TorchDispatchMode):
             # did (a leaf clamped under no_grad still gets its gradient), plus the inputs' when grad is on.
             own = rec.lin.get(t, _ZERO)
             if kind is not None and g & ~own[1]:
-                site = rec.site(kind, op, g & ~own[1], self._detail(kind), v)
+                site = self._cut(kind, op, g & ~own[1], v, s)
                 rec.lin[t] = (v, own[1], s | (1 << site.id))
             else:
                 rec.lin[t] = (v, own[1] if kind is not None else g, s)
+            if t._base is not None:
+                # A write into a view (``buf[i] = x``, ``buf[i].copy_(x)``) is a write into its base too,
+                # which later reads of the whole buffer see: the base keeps its own and gains the view's.
+                bv, bg, bs = rec.lin.get(t._base, _ZERO)
+                nv, ng, ns = rec.lin[t]
+                rec.lin[t._base] = (bv | nv, bg | ng, bs | ns)
         float_in = [t for t in ins if _floating(t)]
         for t in tensors_in(out):
             if any(t is w for w in written):
                 continue
             if _floating(t):
                 if kind is not None and g:
-                    site = rec.site(kind, op, g, self._detail(kind), v)
+                    site = self._cut(kind, op, g, v, s)
                     rec.lin[t] = (v, 0, s | (1 << site.id))
                 else:
                     rec.lin[t] = (v, 0 if kind is not None else g, s)
             elif name in _CASTS and float_in:
-                fv, fg, _ = rec.of(float_in)
+                fv, fg, fs = rec.of(float_in)
                 if fg:
-                    site = rec.site(INT_CAST, _python_name(rec, func), fg, f"cast to {t.dtype}", fv)
+                    site = rec.site(
+                        INT_CAST, _python_name(rec, func), fg, f"cast to {t.dtype}", fv, history=fs
+                    )
                     rec.lin[t] = (v, 0, s | (1 << site.id))
                 elif fv:
                     rec.lin[t] = (v, 0, s)
@@ -484,6 +538,12 @@ class _Ops(TorchDispatchMode):
             return NO_CREATE_GRAPH
         return INFERENCE if inference else NO_GRAD
 
+    def _cut(self, kind: str, op: str, bits: int, value: int, history: int) -> _Site:
+        site = self.rec.site(kind, op, bits, self._detail(kind), value, history=history)
+        if kind == NO_CREATE_GRAPH and site.root is None and self.rec.grad_calls:
+            site.root = self.rec.eval_call_over(self.rec.grad_calls[-1][1])
+        return site
+
     def _detail(self, kind: str) -> str:
         if kind != NO_CREATE_GRAPH:
             return ""
@@ -499,7 +559,7 @@ class _Ops(TorchDispatchMode):
             if type(x) is float:
                 for site, value in self.rec.leaving:
                     if type(value) is float and value == x:
-                        s |= 1 << site.id
+                        s |= (1 << site.id) | site.history  # the cuts before it come back with the number
                         v |= site.bits
         return v, s
 
@@ -528,6 +588,17 @@ def _all_finite(tensors: Iterable[Tensor]) -> bool:
 
 _GRAD_OFF = ("no_grad", "inference_mode", "set_grad_enabled(False)", "enable_grad(False)")
 _FUNCTION_FILE = os.path.join(TORCH_DIR, "autograd", "function.py")
+
+
+def _function_name(caller: Any) -> str:
+    """``Softplus.apply`` for the custom Function whose forward is running (called from ``caller``)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame is not caller:
+        qualname = frame.f_code.co_qualname
+        if frame.f_code.co_name == "forward" and "." in qualname:
+            return qualname.rsplit(".", 1)[0] + ".apply"
+        frame = frame.f_back
+    return "torch.autograd.Function.apply"
 
 
 def _custom_function_caller() -> Any:
@@ -628,8 +699,8 @@ class _Calls(TorchFunctionMode):
             v, g, s = rec.of(args[:1])
             if v:
                 what = "a Python list" if base == TOLIST else "a NumPy array"
-                site = rec.site(base, op.removeprefix("torch."), g or v, f"leaves torch as {what}")
-                site.history = s  # cut sites before it (x.detach().numpy()): the data comes back with them
+                # The cut sites before it (x.detach().numpy()) come back with the data.
+                site = rec.site(base, op.removeprefix("torch."), g or v, f"leaves torch as {what}", history=s)
                 src = args[0].detach()
                 rec.leaving.append((site, src.to("cpu").clone() if src.numel() <= 1 << 20 else src[:0]))
         elif grad_on:
@@ -650,7 +721,7 @@ class _Calls(TorchFunctionMode):
                     made = rec.made_by_function.get(t)
                     if made is not None:  # name the custom Function's call, not where its output is used
                         name, what = "torch.autograd.Function.apply", "a custom autograd.Function output"
-                    site = rec.site(NON_DIFF, name, g, f"{what} does not require grad", v, at=made)
+                    site = rec.site(NON_DIFF, name, g, f"{what} does not require grad", v, at=made, history=s)
                     rec.lin[t] = (v, 0, s | (1 << site.id))
 
     def _grad(self, args: Any, kwargs: Any) -> Any:
@@ -683,7 +754,32 @@ class _Calls(TorchFunctionMode):
                 g,
                 "a gradient is None: the outputs do not use that input",
             )
+        elif g and inputs and bound.arguments.get("materialize_grads") and _unused(outputs, inputs):
+            rec.site(
+                UNUSED_INPUT,
+                "torch.autograd.grad",
+                g,
+                "an input the outputs do not use: its gradient comes back as zeros (materialize_grads=True)",
+            )
         return result
+
+
+def _unused(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
+    """Some input is not in the outputs' autograd graph (found by walking it, not by a backward)."""
+    wanted = {id(t.grad_fn) if t.grad_fn is not None else id(t) for t in inputs}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack and wanted:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        wanted.discard(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it feeds
+        if variable is not None:
+            wanted.discard(id(variable))
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return bool(wanted)
 
 
 def _op_name(func: Callable[..., Any]) -> str:
@@ -724,6 +820,16 @@ def _instrumented(rec: _Recorder) -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
         undo.enter_context(_Calls(rec))
         undo.enter_context(_Ops(rec))
+        # Which line of the step switches a module's mode (the root of an eval-mode cut): Module.train
+        # is wrapped for the recording (eval() calls it), and put back.
+        original = nn.Module.train
+
+        def train(module: nn.Module, mode: bool = True) -> nn.Module:
+            rec.mode_call(module, bool(mode))
+            return original(module, mode)
+
+        nn.Module.train = train  # type: ignore[method-assign]
+        undo.callback(setattr, nn.Module, "train", original)
         yield
 
 
@@ -737,9 +843,10 @@ def merged(parts: Mapping[str, PathLineage], label: str) -> PathLineage:
         remap = {}
         for site in part.sites:
             key = (site.kind, site.file, site.line, site.node)
+            after = tuple(remap[i] for i in site.after if i in remap)  # earlier sites: remapped already
             if key not in ids:
                 ids[key] = len(sites)
-                sites.append(dataclasses.replace(site, id=len(sites)))
+                sites.append(dataclasses.replace(site, id=len(sites), after=after))
             else:
                 old = sites[ids[key]]
                 wider = tuple(dict.fromkeys(old.parameters + site.parameters))
@@ -755,6 +862,7 @@ def merged(parts: Mapping[str, PathLineage], label: str) -> PathLineage:
             )
         out.seconds += part.seconds
         out.ops += part.ops
+        out.mode_calls += part.mode_calls
     out.sites = sites
     return out
 
@@ -785,4 +893,5 @@ def record(
     out.sites = rec.cut_sites()
     out.seconds = time.perf_counter() - start
     out.ops = rec.ops
+    out.mode_calls = rec.mode_calls
     return out

@@ -1,0 +1,128 @@
+"""gradient-mismatch: a term's gradient, as autograd gives it in a path, is not the derivative of the
+term's value: the gradients check's finite differences along the parameters disagree with it beyond
+what the arithmetic explains — whether or not any parameter lost its gradient.
+
+* Located by the lineage at a cut that leaves every parameter reached (``autograd.grad`` without
+  ``create_graph`` on one of two derivative routes, a weight used once through ``.data``): an error at
+  the cut's line.
+* Located at a custom ``autograd.Function`` in the term's history: its backward is not its forward's
+  derivative. A surrogate gradient (a straight-through estimator) is exactly that and may be meant, so
+  this is a warning that says so; declared in ``notes``, information.
+* Not located (no lineage cut or Function explains it, or no lineage was recorded): an error that
+  gives the measured gap and says the cause is not known.
+
+Disagreements already explained by another cause's place (a cut that removes parameters from the
+gradient, a stop-gradient) are reported by that cause, with the finite differences as its evidence."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..declarations import note_for
+from ..flowmap import Finding, FlowMap
+from ..wording import names
+from .common import where
+from .lineage_cuts import (
+    FUNCTION,
+    TOTAL,
+    chain_words,
+    classify,
+    explained_runs,
+    fd_words,
+    places,
+    status_words,
+)
+
+CAUSE = "gradient-mismatch"
+
+
+def _checked(fm: FlowMap) -> dict[str, Any]:
+    g = fm.checks.get("gradients")
+    return (g.get("paths") or {}) if isinstance(g, Mapping) else {}
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    findings = []
+    explained: set[tuple[str, str]] = set()
+    for place in places(fm):
+        if not fd_words(fm, place):
+            continue
+        explained.update((v, t) for v in place.variants for t in place.terms)
+        if classify(fm, place) != CAUSE:
+            continue
+        site = place.site
+        terms = ["the total loss" if t == TOTAL else t for t in place.terms]
+        notes = {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+        declared = len(notes) == len(place.parameters)
+        function = site.get("kind") == FUNCTION
+        if function:
+            message = (
+                f"{', '.join(terms)}: the gradient through {site.get('op')} (a custom autograd.Function) at "
+                f"{where(site)} is not the derivative of its forward: {fd_words(fm, place)} "
+                f"({names(place.parameters)}). A surrogate gradient (straight-through) is meant to differ; "
+                "any other backward is wrong"
+            )
+            fix = (
+                "if the surrogate gradient is meant, declare it: notes={parameter prefix: why}; else correct the "
+                "Function's backward (torch.autograd.gradcheck checks it in float64)"
+            )
+        else:
+            message = (
+                f"{', '.join(terms)}: the gradient is off its finite differences ({status_words(place)}): "
+                f"{fd_words(fm, place)}. The value reaches them through a route autograd does not carry: "
+                f"{site.get('op')} at {where(site)}" + chain_words(place)
+            )
+            fix = (
+                "take that derivative with create_graph=True"
+                if site.get("kind") == "autograd_grad_no_create_graph"
+                else "compute the value from the tensor itself, not a copy of its data (no .data, no NumPy or "
+                ".item() round trip), so autograd carries it"
+            )
+        findings.append(
+            Finding(
+                CAUSE,
+                "info" if declared else ("warning" if function else "error"),
+                message + (" — declared: " + "; ".join(sorted(set(notes.values()))) if declared else ""),
+                evidence={
+                    "site": site,
+                    "variants": place.variants,
+                    "terms": place.terms,
+                    "parameters": place.parameters,
+                    "statuses": place.statuses,
+                    "runs": explained_runs(fm, place),
+                },
+                location={**site, "variants": place.variants},
+                fix="declared in notes: nothing to do" if declared else fix,
+            )
+        )
+    lineage = fm.evidence.get("lineage") or {}
+    for variant, result in _checked(fm).items():
+        for term, entry in (result.get("terms") or {}).items():
+            if entry.get("status") != "disagrees" or (variant, term) in explained:
+                continue
+            located = variant in lineage and not (lineage[variant] or {}).get("error")
+            parameters = list(entry.get("parameters") or ())
+            findings.append(
+                Finding(
+                    CAUSE,
+                    "error",
+                    f"{term} in {variant}: the gradient differs from finite differences of the term's value by "
+                    f"{float(entry.get('rel_error') or 0):.0%} along {names(parameters)}; cause not known: "
+                    + (
+                        "no cut or custom Function in the recorded lineage explains it"
+                        if located
+                        else "run with diagnose=True (--diagnose) to record the lineage that can locate it"
+                    ),
+                    evidence={
+                        "variant": variant,
+                        "term": term,
+                        "parameters": parameters,
+                        "runs": [[variant, s.name] for s in fm.scenarios if term in s.terms],
+                        "gradients": {k: entry.get(k) for k in ("rel_error", "groups")},
+                    },
+                    location={"variant": variant},
+                    fix="compare the path's forward and backward for these parameters (torch.autograd.gradcheck)",
+                )
+            )
+    return findings

@@ -1,0 +1,65 @@
+"""stop-gradient: an explicit stop-gradient the user wrote (``.detach()``, a ``torch.no_grad()`` block)
+cuts a term off parameters its value depends on, and the step still trains those parameters another
+way (another term, or the same term through the tensor that was not detached). That is how a GAN critic
+on ``fake.detach()``, a self-supervised target branch, a target network or a linear probe on detached
+features are written: only the user knows whether this one is meant, so it is a warning that asks.
+Declared in ``notes``, it is information. A cut after which nothing trains those parameters any more
+is not this: it is ``graph-break-in-model`` (an error).
+
+Evidence: the lineage of the path's step (the construct, its line, the parameters cut), the measured
+statuses of every term in that path (who still reaches them), and the gradients check's finite
+differences where they ran (the value does move with those parameters)."""
+
+from __future__ import annotations
+
+from ..declarations import note_for
+from ..flowmap import Finding, FlowMap
+from ..wording import names
+from .common import where
+from .lineage_cuts import SPELLING, TOTAL, classify, explained_runs, fd_words, places, where_seen
+
+CAUSE = "stop-gradient"
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    findings = []
+    for place in places(fm):
+        if classify(fm, place) != CAUSE:
+            continue
+        site = place.site
+        terms = ["the total loss" if t == TOTAL else t for t in place.terms]
+        notes = {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+        declared = len(notes) == len(place.parameters)
+        construct = SPELLING.get(str(site.get("kind")), str(site.get("kind")))
+        seen = where_seen(fm, place)
+        fd = fd_words(fm, place)
+        message = (
+            f"stop-gradient at {where(site)} — intended? {', '.join(terms)}: the value depends on "
+            f"{names(place.parameters)} through {construct}, which carries no gradient to them there; the step "
+            "still trains them another way (another term, or the part of the value that is not detached)"
+            + (f"; {fd}" if fd else "")
+            + (f"; {seen}" if seen else "")
+        )
+        if declared:
+            message += " — declared: " + "; ".join(sorted(set(notes.values())))
+        findings.append(
+            Finding(
+                CAUSE,
+                "info" if declared else "warning",
+                message,
+                evidence={
+                    "site": site,
+                    "variants": place.variants,
+                    "terms": place.terms,
+                    "parameters": place.parameters,
+                    "statuses": place.statuses,
+                    "runs": explained_runs(fm, place),
+                },
+                location={**site, "variants": place.variants},
+                fix="declared in notes: nothing to do"
+                if declared
+                else "if it is meant (a critic on detached samples, a target branch, a probe), declare it: "
+                "notes={parameter prefix: why}; if not, remove the " + construct + " so the term trains them",
+            )
+        )
+    return findings
