@@ -81,6 +81,7 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
 GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
     dead_term.detect,
     run_failed.detect,
+    gradient_mismatch.detect_unexplained,
     flow_mismatch.detect,
     consistency_failed.detect,
     unused_parameter.detect,

@@ -22,7 +22,7 @@ from typing import Any
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
-from .common import where
+from .common import Explained, where
 from .lineage_cuts import (
     FUNCTION,
     TOTAL,
@@ -44,12 +44,8 @@ def _checked(fm: FlowMap) -> dict[str, Any]:
 
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
-    explained: set[tuple[str, str]] = set()
     for place in places(fm):
-        if not fd_words(fm, place):
-            continue
-        explained.update((v, t) for v in place.variants for t in place.terms)
-        if classify(fm, place) != CAUSE:
+        if not fd_words(fm, place) or classify(fm, place) != CAUSE:
             continue
         site = place.site
         terms = ["the total loss" if t == TOTAL else t for t in place.terms]
@@ -96,10 +92,24 @@ def detect(fm: FlowMap) -> list[Finding]:
                 fix="declared in notes: nothing to do" if declared else fix,
             )
         )
+    return findings
+
+
+def detect_unexplained(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
+    """The disagreements no cause explains (a generic detector: after the specific ones, which may
+    explain the runs, as backend-drops-grads does for a backend that computes wrong gradients)."""
+    findings = []
+    located = {
+        (v, t) for place in places(fm) if fd_words(fm, place) for v in place.variants for t in place.terms
+    }
+    skip = explained.runs if explained is not None else set()
     lineage = fm.evidence.get("lineage") or {}
     for variant, result in _checked(fm).items():
         for term, entry in (result.get("terms") or {}).items():
-            if entry.get("status") != "disagrees" or (variant, term) in explained:
+            runs = [[variant, s.name] for s in fm.scenarios if term in s.terms]
+            if entry.get("status") != "disagrees" or (variant, term) in located:
+                continue
+            if runs and all((v, s) in skip for v, s in runs):
                 continue
             located = variant in lineage and not (lineage[variant] or {}).get("error")
             parameters = list(entry.get("parameters") or ())
@@ -118,7 +128,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                         "variant": variant,
                         "term": term,
                         "parameters": parameters,
-                        "runs": [[variant, s.name] for s in fm.scenarios if term in s.terms],
+                        "runs": runs,
                         "gradients": {k: entry.get(k) for k in ("rel_error", "groups")},
                     },
                     location={"variant": variant},
