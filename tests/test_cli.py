@@ -124,14 +124,18 @@ def test_console_script_and_module_entry_point():
 
 
 def test_run_diagnose_exit_status(spec_file, tmp_path, capsys):
-    # The spec's aux head sees a detached body: the diagnosis names the cut (exit 1) although the
-    # main term still reaches the body; without the detach it diagnoses clean (0).
-    assert main(["run", str(spec_file), "--diagnose"]) == 1
+    # The spec's aux head sees a detached body while the main term still trains the body: an explicit
+    # stop-gradient the step works around is a warning that asks (exit 0), and fails a job that asks
+    # for it (--fail-on warning: exit 1). Without the detach it diagnoses clean (0); a term with no
+    # path left to its parameters is an error (1).
+    assert main(["run", str(spec_file), "--diagnose"]) == 0
     out = capsys.readouterr().out
-    assert "ERROR graph-break-in-model: aux:" in out and "h.detach() if DETACH else h" in out
+    assert "WARNING stop-gradient: stop-gradient at" in out and "h.detach() if DETACH else h" in out
+    assert main(["run", str(spec_file), "--diagnose", "--fail-on", "warning"]) == 1
     healthy = tmp_path / "healthy.py"
     healthy.write_text("DETACH = False\n" + textwrap.dedent(SPEC_FILE))
-    assert main(["run", str(healthy), "--diagnose"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(healthy), "--diagnose", "--fail-on", "warning"]) == 0
     assert main(["run", f"{spec_file}:broken", "--diagnose"]) == 1
     assert "ERROR graph-break-in-model: aux:" in capsys.readouterr().out
 

@@ -52,10 +52,11 @@ def test_makefx_detach_names_nodes_lines_and_the_knob():
     fm = diagnosed("makefx-detach")
     assert errors(fm) == ["makefx-detach"]
     f = finding(fm, "makefx-detach")
-    # Located by the lineage of the replayed graph: the detach node that cuts the lost biases, at the
-    # fitting net's line (the saved tanh outputs), with the node name.
+    # Located by the lineage of the replayed graph, root first: the first detach node of the chain, on
+    # the descriptor's saved tanh output (the gradients check finds the descriptor's parameters reached
+    # with wrong values there), with the node name; the fitting net's nodes follow it.
     assert f.location["node"].startswith("detach") and f.location["kind"] == "detach"
-    assert os.path.basename(f.location["file"]) == "potential.py" and "self.layer1" in f.location["code"]
+    assert os.path.basename(f.location["file"]) == "potential.py" and "self.embed1" in f.location["code"]
     assert f.evidence["graph"]["cutting_detach_nodes"] > 0  # the lint of the handed-over graph sharpens it
     assert set(f.evidence["lost"]) == {"fitting.layer1.bias", "fitting.layer2.bias"}
     assert "#175477" in f.message
@@ -101,7 +102,12 @@ def test_graph_break_in_model():
     assert errors(fm) == ["graph-break-in-model"]
     f = finding(fm, "graph-break-in-model")
     assert (f.location["module"], f.location["code"]) == ("descriptor", "g = g.detach()")
-    assert set(f.evidence["parameters"]) == {"descriptor.embed1.bias", "descriptor.embed1.weight"}
+    # Cut from the descriptor's first layer; the type embedding, which also feeds the fitting net
+    # directly, stays reached with a wrong value (the gradients check's finite differences).
+    assert set(f.evidence["parameters"]) == {
+        "descriptor.embed1.bias", "descriptor.embed1.weight", "type_embedding.weight",
+    }  # fmt: skip
+    assert f.evidence["statuses"]["type_embedding.weight"] == "wrong"
     assert f.evidence["terms"] == ["energy", "force", "virial"] and f.location["kind"] == "detach"
     # The auxiliary head stays an info finding: nothing cuts it, it is simply not used.
     assert finding(fm, "unused-parameter").evidence["parameters"] == ["aux_head.weight", "aux_head.bias"]

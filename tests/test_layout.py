@@ -25,7 +25,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "gradprobe"
 
 FLOWMAP_MAY_IMPORT = {"gradprobe.errors", "gradprobe.status"}
-REPORT_MAY_IMPORT = {"gradprobe.flowmap", "gradprobe.status", "gradprobe.declarations", "gradprobe.wording"}
+REPORT_MAY_IMPORT = {
+    "gradprobe.flowmap",
+    "gradprobe.status",
+    "gradprobe.declarations",
+    "gradprobe.wording",
+    "gradprobe.claims",
+}
 CAUSES_MAY_IMPORT = {
     "gradprobe.flowmap",
     "gradprobe.status",
@@ -33,6 +39,7 @@ CAUSES_MAY_IMPORT = {
     "gradprobe.declarations",
     "gradprobe.variants",
     "gradprobe.wording",
+    "gradprobe.claims",  # the predicates a finding's claims are checked with
 }
 # Downstream of the measurement: the detectors, the renderers and what runs a whole probe.
 DOWNSTREAM = ("gradprobe.causes", "gradprobe.diagnose", "gradprobe.report", "gradprobe.adapters")

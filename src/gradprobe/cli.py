@@ -86,6 +86,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", metavar="PATH", help="write the flow map as JSON to PATH")
     _report_options(p)
+    _fail_on(p)
     _verbose(p)
     p.add_argument(
         "--check",
@@ -134,6 +135,22 @@ def _verbose(p: argparse.ArgumentParser, default: Any = argparse.SUPPRESS) -> No
         help="let torch's warnings and logging during the probe through to stderr (otherwise counted in the "
         "report), and on a crash of gradprobe itself print the traceback",
     )
+
+
+def _fail_on(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fail-on",
+        choices=("error", "warning"),
+        default="error",
+        help="which findings make the exit status 1: error (default), or warning too (say a stop-gradient the "
+        "spec's notes do not declare)",
+    )
+
+
+def _failing(fm: FlowMap, args: argparse.Namespace) -> FlowMap:
+    import msgspec
+
+    return msgspec.structs.replace(fm, fail_on=args.fail_on) if args.fail_on != fm.fail_on else fm
 
 
 def _report_options(p: argparse.ArgumentParser) -> None:
@@ -197,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _verbose(report)
     _report_options(report)
     report.add_argument("--all", action="store_true", help="show every parameter in the terminal diff")
+    _fail_on(report)
 
     diff = sub.add_parser("diff", help="compare two saved flow maps; exit 1 if the flow changed, 0 if not")
     _verbose(diff)
@@ -418,7 +436,7 @@ def _write_reports(fm: FlowMap, html_path: str | None, markdown_path: str | None
 
 def _report_saved(args: argparse.Namespace) -> int:
     """``gradprobe report``: the terminal report, or the files asked for; exit status by findings."""
-    fm = FlowMap.from_json(Path(args.flowmap))
+    fm = _failing(FlowMap.from_json(Path(args.flowmap)), args)
     if args.html or args.markdown:
         _write_reports(fm, args.html, args.markdown)
     else:
@@ -532,9 +550,12 @@ def _distributed_run(args: argparse.Namespace, checks: list[str], diagnose: bool
             error = SpecError("a trainer adapter cannot be probed with --nproc: run it without")
         gather_or_raise(None, error, None)  # every rank stops if one cannot load the spec
         with _shown_if(args.verbose):
-            fm = probe_distributed(
-                spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks,
-                progress=not args.quiet,
+            fm = _failing(
+                probe_distributed(
+                    spec, variants=args.variants, reference=args.reference, diagnose=diagnose, checks=checks,
+                    progress=not args.quiet,
+                ),
+                args,
             )  # fmt: skip
         if rank == 0:
             code = _report(fm, args.json, args.all, args.html, args.markdown, extra=render_ranks(fm))
@@ -674,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             compiler_passes.enabled(args.compiler_bisect),
             _shown_if(args.verbose),
         ):
-            fm = _probe_command(args, checks)
+            fm = _failing(_probe_command(args, checks), args)
         return _report(fm, args.json, args.all, args.html, args.markdown)
     except GradProbeError as e:
         sys.stderr.write(visible(f"gradprobe: error: {e}\n"))

@@ -103,8 +103,18 @@ class Cell(msgspec.Struct, frozen=True, gc=False):
     verdict: Literal["match", "missing", "extra", "wrong"] | None = None  # compare.VERDICTS
 
 
+class Claim(msgspec.Struct, frozen=True):
+    """One clause of a finding: a predicate of ``claims.PREDICATES`` and its arguments, which the map's
+    own evidence must satisfy, and the sentence it renders to."""
+
+    kind: str
+    text: str
+    args: dict[str, Any] = {}
+
+
 class Finding(msgspec.Struct, frozen=True):
-    """One diagnosed problem: a cause from the catalogue, its evidence, where it is, and the fix."""
+    """One diagnosed problem: a cause from the catalogue, its evidence, where it is, and the fix. The
+    ``claims`` are the facts it rests on, each checkable on the map (``claims.audit``)."""
 
     cause: str
     severity: Literal["error", "warning", "info"]
@@ -113,6 +123,7 @@ class Finding(msgspec.Struct, frozen=True):
     location: dict[str, Any] | None = None
     fix: str = ""
     references: tuple[str, ...] = ()
+    claims: tuple[Claim, ...] = ()
 
 
 class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
@@ -142,6 +153,9 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
     checks: dict[str, Any] = {}  # verification results by check name (checks.py)
     # What the evidence layer gathered (gradprobe.evidence): lineage, confirmations, dynamo events.
     evidence: dict[str, Any] = {}
+    # What makes the exit status 1: an error finding (the default), or a warning too (a CI job that
+    # wants every intended stop-gradient declared in notes).
+    fail_on: Literal["error", "warning"] = "error"
     schema: str = SCHEMA
 
     __hash__ = None  # type: ignore[assignment]  # mutable dicts inside, equality by value
@@ -256,8 +270,10 @@ class FlowMap(msgspec.Struct, frozen=True, dict=True, eq=False):
 
     @property
     def exit_code(self) -> int:
-        """1 when a finding has severity error, else 0 (the CLI's exit status)."""
-        return 1 if self.errors() else 0
+        """1 when a finding has severity error (or warning, with ``fail_on="warning"``), else 0 (the
+        CLI's exit status)."""
+        failing = ("error", "warning") if self.fail_on == "warning" else ("error",)
+        return 1 if any(f.severity in failing for f in self.findings) else 0
 
     def to_dict(self) -> dict[str, Any]:
         """The map as JSON values; non-finite numbers as "nan", "inf", "-inf" (strict JSON has none)."""

@@ -78,8 +78,7 @@ def no_grad_path(what: str) -> RunError:
     return RunError(
         "backward",
         "NoGradPath",
-        f"{what} does not require grad (no grad_fn): no parameter can receive its gradient. Is the model "
-        "in eval mode (create_graph=self.training), or is it computed under no_grad / detach?",
+        f"{what} does not require grad (no grad_fn): no parameter can receive its gradient",
     )
 
 

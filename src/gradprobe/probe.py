@@ -50,6 +50,7 @@ def probe(
     checks: Sequence[str] = (),
     progress: bool = True,
     compiler_bisect: bool = False,
+    fail_on: str = "error",
     **spec_fields: Any,
 ) -> FlowMap:
     """Measure which parameters each loss term reaches, alone and all together, in each variant.
@@ -68,6 +69,8 @@ def probe(
     ``compiler_bisect`` (with ``diagnose``): when the backend ladder ends at ``aot_eager_decomp_partition``
     or ``inductor``, hand the path to torch's ``CompilerBisector`` to name the pass, decomposition or
     lowering (one rebuild and compile per trial, caches off: opt-in; its trials and time are reported).
+    ``fail_on``: ``"error"`` (default) or ``"warning"``: which findings make ``fm.exit_code`` 1 (a CI job
+    that wants every intended stop-gradient declared in ``notes`` fails on warnings).
     Returns the flow map; the model's parameters, ``.grad``, ``requires_grad`` flags, train/eval
     modes, buffers and RNG state are as they were.
 
@@ -91,10 +94,13 @@ def probe(
         spec = model
     else:
         spec = ProbeSpec(model=model, step=step, batch=batch, **spec_fields)
+    if fail_on not in ("error", "warning"):
+        raise SpecError(f"fail_on must be 'error' or 'warning', got {fail_on!r}")
     with reporting(progress), compiler_passes.enabled(compiler_bisect):
-        return run_probe(
+        fm = run_probe(
             spec, parse_variants(variants or spec.variants or "eager"), reference, diagnose, tuple(checks)
         )
+    return fm if fail_on == "error" else msgspec.structs.replace(fm, fail_on=fail_on)
 
 
 @dataclass

@@ -28,11 +28,14 @@ def grad_flow_problems(
     reaches: Mapping[str, Iterable[str]] | None = None,
     not_reaches: Mapping[str, Iterable[str]] | None = None,
     allow: Iterable[str] = (),
+    fail_on: str = "error",
 ) -> list[str]:
-    """Everything wrong with a flow map, one line each (empty when the flow is healthy)."""
+    """Everything wrong with a flow map, one line each (empty when the flow is healthy). ``fail_on=
+    "warning"``: warnings count too (an intended stop-gradient then needs its line in the spec's notes)."""
     allow = set(allow)
+    failing = ("error", "warning") if fail_on == "warning" else ("error",)
     problems = [
-        f"{f.cause}: {f.message}" for f in fm.findings if f.severity == "error" and f.cause not in allow
+        f"{f.cause}: {f.message}" for f in fm.findings if f.severity in failing and f.cause not in allow
     ]
     for v in fm.variant_names:
         for s in fm.scenario_names:
@@ -65,9 +68,11 @@ def assert_grad_flow(
     reaches: Mapping[str, Iterable[str]] | None = None,
     not_reaches: Mapping[str, Iterable[str]] | None = None,
     allow: Iterable[str] = (),
+    fail_on: str = "error",
 ) -> FlowMap:
     """Fail, saying which term, which parameters, which variants and what changed, unless the flow is
-    healthy: no error-severity finding (causes in ``allow`` excepted), every variant matching the
+    healthy: no error-severity finding (``fail_on="warning"``: no warning either; causes in ``allow``
+    excepted), every variant matching the
     reference in reach and value, and the ``reaches`` / ``not_reaches`` expectations met (parameter
     names or module prefixes per scenario). A spec is probed first. Returns the flow map."""
     __tracebackhide__ = True
@@ -75,7 +80,9 @@ def assert_grad_flow(
         from .probe import probe
 
         target = probe(target, variants=variants, checks=checks, progress=False)  # a test stays quiet
-    problems = grad_flow_problems(target, reaches=reaches, not_reaches=not_reaches, allow=allow)
+    problems = grad_flow_problems(
+        target, reaches=reaches, not_reaches=not_reaches, allow=allow, fail_on=fail_on
+    )
     if problems:
         shown = problems[:20] + ([f"… and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise AssertionError(visible("gradient flow broken:\n  " + "\n  ".join(shown)))

@@ -88,7 +88,7 @@ class PairPotential(nn.Module):
         r_rep = r.detach() if self.stale_repulsion else r  # BUG pair-nonconservative
         e = self.energy_from(r, r_rep, species)
         e_sum, train = e.sum(), self.training
-        (g,) = torch.autograd.grad(e_sum, pos, create_graph=train, retain_graph=True)  # BUG pair-eval-forces
+        (g,) = torch.autograd.grad(e_sum, pos, create_graph=train, retain_graph=True)
         return e, self.atom_ref(species), -g
 
 
@@ -223,7 +223,8 @@ def build_eval_forces(n: Names, bug: bool) -> Setup:
 
         def run(batch, weights):
             was = m.training
-            m.eval() if bug else m.train()  # no dropout here anyway; "deterministic forces"
+            # no dropout here anyway; "deterministic forces". The root line the finding names:
+            m.eval() if bug else m.train()  # BUG pair-eval-forces
             try:
                 e, e0, f = m(batch[kp], batch[ks])
             finally:

@@ -81,8 +81,8 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
 GENERIC: tuple[Callable[[FlowMap, Explained], list[Finding]], ...] = (
     dead_term.detect,
     run_failed.detect,
-    gradient_mismatch.detect_unexplained,
     flow_mismatch.detect,
+    gradient_mismatch.detect_unexplained,
     consistency_failed.detect,
     unused_parameter.detect,
 )

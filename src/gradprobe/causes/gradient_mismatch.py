@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..claims import claim
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
@@ -30,6 +31,7 @@ from .lineage_cuts import (
     classify,
     explained_runs,
     fd_words,
+    place_claims,
     places,
     status_words,
 )
@@ -89,6 +91,10 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "runs": explained_runs(fm, place),
                 },
                 location={**site, "variants": place.variants},
+                claims=(
+                    *place_claims(fm, place),
+                    *([claim("noted", "declared in notes", parameters=place.parameters)] if declared else []),
+                ),
                 fix="declared in notes: nothing to do" if declared else fix,
             )
         )
@@ -96,43 +102,57 @@ def detect(fm: FlowMap) -> list[Finding]:
 
 
 def detect_unexplained(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
-    """The disagreements no cause explains (a generic detector: after the specific ones, which may
-    explain the runs, as backend-drops-grads does for a backend that computes wrong gradients)."""
-    findings = []
+    """The disagreements nothing else explains, one finding per path (a generic detector: after the
+    specific ones and flow-mismatch, which explain a path that differs from the reference)."""
     located = {
         (v, t) for place in places(fm) if fd_words(fm, place) for v in place.variants for t in place.terms
     }
     skip = explained.runs if explained is not None else set()
     lineage = fm.evidence.get("lineage") or {}
+    findings = []
     for variant, result in _checked(fm).items():
+        off = []
         for term, entry in (result.get("terms") or {}).items():
-            runs = [[variant, s.name] for s in fm.scenarios if term in s.terms]
-            if entry.get("status") != "disagrees" or (variant, term) in located:
-                continue
-            if runs and all((v, s) in skip for v, s in runs):
-                continue
-            located = variant in lineage and not (lineage[variant] or {}).get("error")
-            parameters = list(entry.get("parameters") or ())
-            findings.append(
-                Finding(
-                    CAUSE,
-                    "error",
-                    f"{term} in {variant}: the gradient differs from finite differences of the term's value by "
-                    f"{float(entry.get('rel_error') or 0):.0%} along {names(parameters)}; cause not known: "
-                    + (
-                        "no cut or custom Function in the recorded lineage explains it"
-                        if located
-                        else "run with diagnose=True (--diagnose) to record the lineage that can locate it"
-                    ),
-                    evidence={
-                        "variant": variant,
-                        "term": term,
-                        "parameters": parameters,
-                        "runs": runs,
-                        "gradients": {k: entry.get(k) for k in ("rel_error", "groups")},
+            runs = [(variant, s.name) for s in fm.scenarios if term in s.terms]
+            if (
+                entry.get("status") == "disagrees"
+                and (variant, term) not in located
+                and not all(r in skip for r in runs)
+            ):
+                off.append((term, entry))
+        if not off:
+            continue
+        recorded = variant in lineage and not (lineage[variant] or {}).get("error")
+        claims = [
+            claim("fd", f"finite differences of {term} ({variant}) differ from its gradient by "
+                  f"{float(e.get('rel_error') or 0):.0%} along {names(list(e.get('parameters') or ()))}",
+                  variant=variant, term=term, status="disagrees", parameters=list(e.get("parameters") or ()),
+                  at_least=float(e.get("rel_error") or 0))
+            for term, e in off
+        ]  # fmt: skip
+        findings.append(
+            Finding(
+                CAUSE,
+                "error",
+                f"{variant}: the gradient is not the derivative of the term's value — "
+                + "; ".join(c.text for c in claims)
+                + "; cause not known: "
+                + (
+                    "no cut or custom Function in the recorded lineage explains it"
+                    if recorded
+                    else "run with diagnose=True (--diagnose) to record the lineage that can locate it"
+                ),
+                evidence={
+                    "variant": variant,
+                    "terms": [t for t, _ in off],
+                    "runs": [[variant, s.name] for s in fm.scenarios if {t for t, _ in off} & set(s.terms)],
+                    "gradients": {
+                        t: {k: e.get(k) for k in ("rel_error", "parameters", "groups")} for t, e in off
                     },
-                    location={"variant": variant},
-                    fix="compare the path's forward and backward for these parameters (torch.autograd.gradcheck)",
-                )
+                },
+                location={"variant": variant},
+                claims=tuple(claims),
+                fix="compare the path's forward and backward for these parameters (torch.autograd.gradcheck)",
             )
+        )
     return findings

@@ -10,6 +10,7 @@ trace). Parameters a note declares as intended (``notes``) turn the error into i
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
@@ -21,6 +22,7 @@ from .lineage_cuts import (
     classify,
     explained_runs,
     fd_words,
+    place_claims,
     places,
     status_words,
     where_seen,
@@ -75,6 +77,10 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "bisection": bis,
                 },
                 location={**site, "variants": place.variants},
+                claims=(
+                    *place_claims(fm, place),
+                    *([claim("noted", "declared in notes", parameters=place.parameters)] if intended else []),
+                ),
                 fix=(
                     "intended (declared in notes): nothing to do"
                     if intended

@@ -38,6 +38,9 @@ class Place:
     parameters: list[str] = field(default_factory=list)
     statuses: dict[str, str] = field(default_factory=dict)  # parameter -> "none" | "zero" | "wrong"
     later: list[dict[str, Any]] = field(default_factory=list)  # cut sites after it in a chain
+    # What each (path, term) showed at this place: the parameters cut, and the site as that path recorded it.
+    hits: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    sites: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -178,14 +181,17 @@ def places(fm: FlowMap) -> list[Place]:
                     hit = [p for p in site.get("parameters") or () if p in statuses and p not in carried]
                     if hit:
                         found.append((site, hit))
-            ids = {site["id"] for site, _ in found}
+            hits = {site["id"]: hit for site, hit in found}
             for site, hit in found:
                 earlier = [
-                    i for i in site.get("after") or () if i in ids and sites[i].get("kind") != FUNCTION
+                    i for i in site.get("after") or () if i in hits and sites[i].get("kind") != FUNCTION
                 ]
-                if earlier:  # a later link of a chain: reported with the first
+                if earlier:  # a later link of a chain: reported with the first, for what the first cuts
                     later.setdefault(_key(sites[earlier[0]]), []).append(site)
-                    continue
+                    covered = {p for i in earlier for p in hits[i]}
+                    hit = [p for p in hit if p not in covered]  # what only this site cuts: its own root
+                    if not hit:
+                        continue
                 _add(merged, site, variant, term, hit, statuses)
     for key, place in merged.items():
         for site in later.get(key, ()):
@@ -207,6 +213,10 @@ def _add(
     missing: Mapping[str, str],
 ) -> None:
     place = merged.setdefault(_key(site), Place(site))
+    place.hits.setdefault((variant, term), []).extend(
+        p for p in hit if p not in place.hits.get((variant, term), ())
+    )
+    place.sites.setdefault(variant, site)
     if variant not in place.variants:
         place.variants.append(variant)
     if term not in place.terms:
@@ -291,3 +301,75 @@ def fd_words(fm: FlowMap, place: Place) -> str:
         return ""
     gap, v, t = max(gaps)
     return f"finite differences of {t} ({v}) differ from its gradient by {gap:.0%} along these parameters"
+
+
+def reached_claims(fm: FlowMap, place: Place) -> list[Any]:
+    """That the step still trains the place's parameters: per path, the runs that reach them."""
+    from ..claims import claim
+
+    out = []
+    for v in place.variants:
+        left = set(place.parameters)
+        for s in fm.scenario_names:
+            got = sorted(left & fm.reached(v, s))
+            if got:
+                out.append(claim("statuses", f"{s} in {v} reaches {names(got)}", variant=v, scenario=s,
+                                 parameters=got, status=["nonzero"]))  # fmt: skip
+                left -= set(got)
+    return out
+
+
+def place_claims(fm: FlowMap, place: Place) -> list[Any]:
+    """The facts a place rests on, per path and term, as claims (``gradprobe.claims``): the site the
+    lineage recorded, the term's dependence on the parameters, their measured statuses (no gradient,
+    exact zero) or the gradients check's disagreement along them."""
+    from ..claims import claim
+    from .common import where
+
+    out = []
+    for variant, site in place.sites.items():
+        carried = sorted({p for (v, _), ps in place.hits.items() if v == variant for p in ps})
+        kind = str(site.get("kind"))
+        out.append(
+            claim(
+                "site",
+                f"{SPELLING.get(kind, kind)} at {where(site)}",
+                variant=variant,
+                kind=kind,
+                file=site.get("file"),
+                line=site.get("line"),
+                parameters=carried,
+            )
+        )
+    for (variant, term), hit in place.hits.items():
+        shown = "the total loss" if term == TOTAL else term
+        scenario = _scenario_for(fm, term)
+        if place.site.get("kind") not in LEAVING and term != TOTAL:
+            out.append(claim("depends", f"{shown}'s value depends on {names(hit)} ({variant})",
+                             variant=variant, term=term, parameters=hit))  # fmt: skip
+        lost = [p for p in hit if place.statuses.get(p) in ("none", "zero")]
+        if lost and scenario is not None:
+            run = fm.run(variant, scenario)
+            if run.error is not None:
+                out.append(claim("run_failed", f"{scenario} in {variant} has no gradient path ({run.error.type})",
+                                 variant=variant, scenarios=[scenario], type=run.error.type))  # fmt: skip
+            else:
+                out.append(claim("statuses", f"in {variant}, {scenario}: no gradient or exact zero for {names(lost)}",
+                                 variant=variant, scenario=scenario, parameters=lost, status=["none", "zero"]))  # fmt: skip
+        wrong = [p for p in hit if p in fd_off(fm, variant, term)]
+        if wrong:
+            entry = fm.checks["gradients"]["paths"][variant]["terms"][term]
+            gap = float(entry.get("rel_error") or 0.0)
+            out.append(
+                claim(
+                    "fd",
+                    f"finite differences of {shown} ({variant}) differ from its gradient by {gap:.0%} along "
+                    f"{names(wrong)}",
+                    variant=variant,
+                    term=term,
+                    status="disagrees",
+                    parameters=wrong,
+                    at_least=gap,
+                )
+            )
+    return out

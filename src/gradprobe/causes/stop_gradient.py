@@ -12,11 +12,22 @@ differences where they ran (the value does move with those parameters)."""
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import where
-from .lineage_cuts import SPELLING, TOTAL, classify, explained_runs, fd_words, places, where_seen
+from .lineage_cuts import (
+    SPELLING,
+    TOTAL,
+    classify,
+    explained_runs,
+    fd_words,
+    place_claims,
+    places,
+    reached_claims,
+    where_seen,
+)
 
 CAUSE = "stop-gradient"
 
@@ -56,6 +67,11 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "runs": explained_runs(fm, place),
                 },
                 location={**site, "variants": place.variants},
+                claims=(
+                    *place_claims(fm, place),
+                    *reached_claims(fm, place),
+                    *([claim("noted", "declared in notes", parameters=place.parameters)] if declared else []),
+                ),
                 fix="declared in notes: nothing to do"
                 if declared
                 else "if it is meant (a critic on detached samples, a target branch, a probe), declare it: "

@@ -122,10 +122,11 @@ def _meaning(fm: FlowMap, v: str, s: str, summary: dict) -> str:
     # No finite error to quote when the wrong values are non-finite (NaN/inf on one side).
     bound = f" (rel. error up to {err:.2g})" if err is not None else " (non-finite)"
     wrong_text = f"{len(wrong)} of {count} reached have wrong values{bound}" if wrong else ""
+    # What was measured, nothing more: the cause, where one is known, is the findings' to say.
     if count == 0 and ref_count > 0:
-        head = f"reaches 0/{ref_count} — catastrophic: wrong create_graph (eval mode?) or a backend that drops the term"
+        head = f"reaches 0 vs {ref_count} in {fm.reference}: this path gives the term no gradient at all"
     elif count < ref_count:
-        head = f"reaches {count} vs {ref_count} in {fm.reference} — tracing or compilation breaks some paths"
+        head = f"reaches {count} vs {ref_count} in {fm.reference}"
     elif count > ref_count:
         head = (
             f"reaches {count} vs {ref_count} in {fm.reference} — extra gradients the reference does not have"
