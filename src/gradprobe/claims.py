@@ -240,3 +240,9 @@ def noted(fm: FlowMap, parameters: list[str]) -> bool:
 def environment(fm: FlowMap, key: str) -> bool:
     """The probe recorded this fact of its environment (``evidence.environment``)."""
     return bool((fm.evidence.get("environment") or {}).get(key))
+
+
+# ----- predicates of the compile and failure causes (bisections, signatures, advice) --------------------
+
+
+# ----- predicates of the value, flow and check causes ----------------------------------------------------
