@@ -419,6 +419,7 @@ def _gradients(state: _Probe) -> dict[str, Any]:
     spec, model, mode, terms, batch = state.spec, state.model, state.mode, state.terms, state.batch
     paths = []
     step_seconds = 0.0
+    calibration = None
     for x in state.measured:
         if all(m.error is not None for m in x.results):
             continue  # nothing measured on this path: nothing to check its gradients against
@@ -428,9 +429,13 @@ def _gradients(state: _Probe) -> dict[str, Any]:
             if x.info.name != state.reference and any(p.name == state.reference for p in paths):
                 continue  # the same computation as the reference
             weighted = VariantContext(model, spec.step, mode, terms, batch, {}, seed=spec.seed).weighted()
-            paths.append(
-                gradcheck.reference_path(x.info.name, model, weighted, batch, terms, mode, spec.seed)
-            )
+            path = gradcheck.reference_path(x.info.name, model, weighted, batch, terms, mode, spec.seed)
+            paths.append(path)
+            if path.on != "the model":  # the step as written in the model's own dtype: the other paths' noise
+                calibration = gradcheck.Path(
+                    x.info.name, lambda w, f=weighted: f(model, batch, w), list(state.trainable),
+                    list(model.buffers()), "the model",
+                )  # fmt: skip
         elif built.run is not None:
             run = built.run
             paths.append(
@@ -439,7 +444,9 @@ def _gradients(state: _Probe) -> dict[str, Any]:
                     "the model",
                 )
             )  # fmt: skip
-    return gradcheck.gradients_check(paths, terms, mode, spec.seed, gradcheck.budget(step_seconds))
+    return gradcheck.gradients_check(
+        paths, terms, mode, spec.seed, gradcheck.budget(step_seconds), calibration=calibration
+    )
 
 
 def _gather_evidence(state: _Probe) -> None:
