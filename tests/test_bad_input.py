@@ -104,7 +104,10 @@ def test_step_error_before_terms_known():
     def boom(m, b):
         raise ValueError("bad batch")
 
-    with pytest.raises(StepContractError, match="raised ValueError before its terms were known: bad batch"):
+    with pytest.raises(
+        StepContractError,
+        match=r"raised ValueError at test_bad_input.py:\d+ \(raise .*\) before its terms were known: bad",
+    ):
         gradprobe.probe(lin(), boom, torch.ones(1, 2))
     # With terms declared it is a recorded run failure instead.
     fm = gradprobe.probe(lin(), boom, torch.ones(1, 2), terms=["e"])
@@ -193,3 +196,27 @@ def test_inference_tensors_are_refused():
         gradprobe.probe(made_inside, _fit, torch.ones(4, 2))
     with pytest.raises(SpecError, match=r"batch is an inference tensor .*\.clone\(\)"):
         gradprobe.probe(lin(), _fit, x)
+
+
+def test_a_step_that_raises_before_its_terms_are_known_names_its_line() -> None:
+    # Issue 34: without terms= the error still says where in the user's step it came from.
+    def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise KeyError("coords")  # the batch holds "pos"
+
+    with pytest.raises(gradprobe.StepContractError) as raised:
+        gradprobe.probe(torch.nn.Linear(3, 1), step, {"pos": torch.randn(4, 3)}, progress=False)
+    line = step.__code__.co_firstlineno + 1
+    assert f'test_bad_input.py:{line} (raise KeyError("coords")' in str(raised.value)
+
+
+def test_a_force_model_whose_coordinates_do_not_require_grad_is_told_about_differentiable_inputs() -> None:
+    def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        energy = model(batch["pos"]).sum()
+        (grad,) = torch.autograd.grad(energy, batch["pos"], create_graph=True)
+        return {"energy": energy, "force": grad.pow(2).sum()}
+
+    with pytest.raises(gradprobe.StepContractError, match=r"differentiable_inputs=\[key\]"):
+        gradprobe.probe(torch.nn.Linear(3, 1), step, {"pos": torch.randn(4, 3)}, progress=False)
+    fm = gradprobe.probe(torch.nn.Linear(3, 1), step, {"pos": torch.randn(4, 3)}, differentiable_inputs=["pos"],
+                         progress=False)  # fmt: skip
+    assert fm.count("eager", "force only") == (1, 2)  # the weight; the bias has no force

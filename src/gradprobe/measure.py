@@ -14,6 +14,7 @@ constant number of host syncs per scenario whatever the model's size.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +75,19 @@ def _is_dynamo_error(e: BaseException) -> bool:
     return exc is not None and isinstance(e, exc.TorchDynamoException)
 
 
+def step_error_hint(e: BaseException) -> str:
+    """The fix for an error the step raised that is a known mistake of the setup, not of the model:
+    differentiating inputs (coordinates) that do not require grad."""
+    text = str(e)
+    if "does not require grad" in text and "differentiated Tensors" in text:
+        return (
+            "The step differentiates a tensor that does not require grad: if it is an input of the batch "
+            "(a force model's coordinates), name it in the spec's differentiable_inputs=[key], so gradprobe "
+            "hands the step a fresh leaf that requires grad, or call requires_grad_() on it inside the step"
+        )
+    return ""
+
+
 def no_grad_path(what: str) -> RunError:
     return RunError(
         "backward",
@@ -122,9 +136,13 @@ def per_term(
         raise
     except Exception as e:
         if declared is None:
+            where = user_frame_of(e)
+            at = f" at {os.path.basename(where['file'])}:{where['line']} ({where['code']})" if where else ""
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StepContractError(
-                f"the step raised {type(e).__name__} before its terms were known: {e}. Declare terms= in "
-                "the spec to have this recorded as a failed run instead"
+                f"the step raised {type(e).__name__}{at} before its terms were known: {text}"
+                + (f". {hint}" if (hint := step_error_hint(e)) else "")
+                + ". Declare terms= in the spec to have this recorded as a failed run instead"
             ) from e
         err = run_error("forward", e)
         scenarios = scenarios_for(declared)
