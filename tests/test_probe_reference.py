@@ -119,7 +119,9 @@ def test_eval_mode_model_is_a_recorded_symptom():
     for s in ("force only", "virial only"):
         err = fm.run("eager", s).error
         assert err is not None and err.type == "NoGradPath" and err.stage == "backward"
-        assert "eval mode" in err.message
+        # The run error states what was measured; that the model is in eval mode is the diagnosis's to
+        # say, from the lineage (below), not a guess in every such message.
+        assert "does not require grad (no grad_fn)" in err.message and "eval mode" not in err.message
     # The force's autograd.grad without create_graph also freed the energy graph: the energy
     # term (and so "all") fails at backward instead of crashing the probe.
     for s in ("energy only", "all"):
@@ -129,6 +131,9 @@ def test_eval_mode_model_is_a_recorded_symptom():
     assert fm.exit_code == 1
     assert any(f.cause == "run-failed" and f.severity == "error" for f in fm.findings)
     assert not model.training  # left as found
+    diagnosed = gradprobe.probe(dataclasses.replace(spec, model=model), diagnose=True)
+    (f,) = [f for f in diagnosed.errors() if f.cause == "trace-eval-mode"]
+    assert "the model arrived in eval mode (no .eval() ran inside the step)" in f.message
 
 
 def test_backward_through_graph_twice_is_recorded_in_weights_mode():
