@@ -472,7 +472,7 @@ def _gather_evidence(state: _Probe) -> None:
     with stage("diagnose: bisect"):
         state.bisections = collect.bisect_failing(
             spec, model, params, mode, terms, scenarios, batch, measured, ref_results, state.reference,
-            state.dtype, state.model_training,
+            state.dtype, state.model_training, [n for n, _ in trainable],
         )  # fmt: skip
     with stage("diagnose: locate non-finite values"):
         state.breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
