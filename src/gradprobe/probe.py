@@ -544,10 +544,14 @@ def _checked(name: str, run: Any) -> dict[str, Any]:
     except GradProbeError:
         raise
     except Exception as e:
+        from .frames import user_frame_of
+
         text = str(e).strip()
+        where = user_frame_of(e)  # the user's frame the failure came from
         return {
             "passed": False,
             "error": f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}",
+            **({"error_where": where} if where else {}),
         }
 
 
