@@ -106,7 +106,7 @@ def test_dynamo_fallback_past_the_recompile_limit_is_detected():
     errors = [fm.run("compile:eager", s).error for s in fm.scenario_names]
     assert errors[0] is None  # the first scenario compiled and ran compiled
     assert [e.type for e in errors[1:]] == ["DynamoFallback"] * 2
-    assert "ran this step in eager" in errors[1].message
+    assert "saw no execution of its compiled code" in errors[1].message  # measured, no guessed reason
     assert fm.exit_code == 1
 
 

@@ -114,7 +114,10 @@ def balance_report(
             "effective update", lambda: _effective_update(spec, model, the_plan, terms, grads), errors
         )
     if errors:
+        where = errors.pop("__where__", None)
         result["errors"] = errors
+        if where:
+            result["errors_where"] = where
     return result
 
 
@@ -140,8 +143,13 @@ def _part(name: str, run: Callable[[], Any], errors: dict[str, str]) -> Any:
     except GradProbeError:
         raise
     except Exception as e:
+        from .frames import user_frame_of
+
         text = str(e).strip()
         errors[name] = f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+        where = user_frame_of(e)
+        if where is not None:  # the user's frame, kept beside the message (``errors_where``)
+            errors.setdefault("__where__", {})[name] = where  # type: ignore[index]
         return None
 
 

@@ -300,6 +300,7 @@ def training_check(
     curves: dict[str, dict[str, list[float]]] = {}
     verdicts: dict[str, dict[str, str]] = {}
     errors: dict[str, dict[str, str]] = {}
+    errors_where: dict[str, dict[str, Any]] = {}  # the user's frame of each failure, where known
     compiled_steps: dict[str, dict[str, int]] = {}  # steps in which the path's compiled code ran
     moved: dict[str, dict[str, float]] = {}  # |p - p0|_1 / |p0|_1 of the copy after the steps
     for variant in variants:
@@ -355,6 +356,8 @@ def training_check(
                     p.grad = None
                 err = run_error("training", e)
                 errors[variant.name][term] = f"{err.type}: {err.message}"
+                if err.where:
+                    errors_where.setdefault(variant.name, {})[term] = err.where
                 verdicts[variant.name][term] = "error"
                 curves[variant.name][term] = curve
                 continue
@@ -373,6 +376,7 @@ def training_check(
         "curves": curves,
         "verdicts": verdicts,
         "errors": errors,
+        **({"errors_where": errors_where} if errors_where else {}),
         "divergence_from_reference": divergence,
         "compiled_steps": {v: c for v, c in compiled_steps.items() if c},
         "moved": moved,

@@ -304,8 +304,8 @@ def _run_scenario(
             "compile",
             "DynamoFallback",
             getattr(counter, "fallback_message", None)
-            or "no compiled graph ran: dynamo ran this step in eager (recompile limit reached, or the "
-            "frame was skipped), so this run would measure eager, not the compiled path",
+            or "no compiled graph ran: the path's compile counter saw no execution of its compiled code in "
+            "this run, so this run would measure eager code, not the compiled path",
         )
         return
     target = isolated(total, values, s.terms) if isolate else total

@@ -479,7 +479,7 @@ def _gather_evidence(state: _Probe) -> None:
     with stage("diagnose: bisect"):
         state.bisections = collect.bisect_failing(
             spec, model, params, mode, terms, scenarios, batch, measured, ref_results, state.reference,
-            state.dtype, state.model_training,
+            state.dtype, state.model_training, [n for n, _ in trainable],
         )  # fmt: skip
     with stage("diagnose: locate non-finite values"):
         state.breaks = collect.locate_nonfinite(spec, model, mode, terms, batch, ref_results)
@@ -551,10 +551,14 @@ def _checked(name: str, run: Any) -> dict[str, Any]:
     except GradProbeError:
         raise
     except Exception as e:
+        from .frames import user_frame_of
+
         text = str(e).strip()
+        where = user_frame_of(e)  # the user's frame the failure came from
         return {
             "passed": False,
             "error": f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}",
+            **({"error_where": where} if where else {}),
         }
 
 

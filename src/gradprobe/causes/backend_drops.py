@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import op_name
-from .common import differing, runs_of
+from .common import Candidate, advice, differing, family, runs_of
 
 CAUSE = "backend-drops-grads"
 OWN = "the path's own backend"  # every override rung was right (evidence.bisect._generic_flips)
@@ -42,6 +43,31 @@ def detect(fm: FlowMap) -> list[Finding]:
         last = culprit.get("last_good")
         named = _culprit_pass(b.get("compiler_bisect"))
         inside = f"; torch's compiler bisector: {named}" if named else ""
+        claims = [claim("differs", f"{', '.join(bad)} of {v} differ from {fm.reference} ({', '.join(lost[:6])})",
+                        variant=v, scenarios=bad)]  # fmt: skip
+        if broke is not None:
+            claims.append(claim("trial", f"trial {broke['change']}: {broke['result']}", variant=v,
+                                change=broke["change"], ok=False))  # fmt: skip
+        capture = next((t for t in b.get("trials") or () if t.get("knob") in ("capture", "stance")), None)
+        if capture is not None and capture.get("ok"):
+            claims.append(claim("trial", f"trial {capture['change']}: {capture['result']}", variant=v,
+                                change=capture["change"], ok=True))  # fmt: skip
+        same = family(v)
+        tips = (
+            advice(
+                fm,
+                v,
+                [
+                    Candidate(
+                        f"use backend {last} (the last good one on the ladder)",
+                        lambda p, last=last, same=same: same(p) and p["backend"] == last,
+                    )
+                ],
+                bad,
+            )
+            if last
+            else None
+        )
         findings.append(
             Finding(
                 CAUSE,
@@ -51,17 +77,18 @@ def detect(fm: FlowMap) -> list[Finding]:
                     f"from {fm.reference} ({', '.join(lost[:6])}); bisect: {b.get('summary')}"
                     if culprit["backend"] == OWN
                     else f"backend {culprit['backend']} changes the gradients of {v}: {', '.join(bad)} differ from "
-                    f"{fm.reference} ({', '.join(lost[:6])}); the traced graph without it is right"
+                    f"{fm.reference} ({', '.join(lost[:6])})"
+                    + (
+                        "; the traced graph without it is right"
+                        if capture is not None and capture.get("ok")
+                        else ""
+                    )
                     + (f", {last} is right too" if last else "")
                     + inside
                 ),
                 evidence={"variant": v, "runs": runs_of(v, bad), "bisection": b, "parameters": lost},
                 location={"variant": v, "backend": culprit["backend"]},
-                fix=(
-                    f"use backend {last} (the last good one on the ladder, verified: {(b.get('fix') or {}).get('variant')})"
-                    if last
-                    else "use another backend"
-                )
+                fix=(tips.text if tips is not None else "another backend (not tried)")
                 + (
                     f"{inside}: keep that pass/decomposition out (its config, or the op outside the compiled region)"
                     + (
@@ -74,6 +101,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                     else "; name the pass inside the backend with compiler_bisect=True (--compiler-bisect: "
                     "torch's CompilerBisector, one rebuild per trial)"
                 ),
+                claims=(*claims, *(tips.claims if tips is not None else ())),
             )
         )
     return findings

@@ -7,27 +7,23 @@ what ``donated_buffer=False`` exposes after donated-buffers.
 
 Evidence: the message *and* the recorded traceback frame ``coerce_to_expected_memory_format`` (the
 message alone is an ordinary user error in eager code); the user's frame (the ``autograd.grad`` call).
+The ways around it are advice from trials (``common.advice``).
 """
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap, RunError
-from .common import at_user, failing_variants, in_frames, runs_of
+from .common import advice, at_user, failing_variants, failure_claims, in_frames, runs_of
+from .double_backward import candidates
 
 CAUSE = "create-graph-tangent-strides"
 MESSAGE = "a leaf Variable that requires grad is being used in an in-place operation"
 FRAME = "coerce_to_expected_memory_format"
 
-FIX = (
-    "keep create_graph=True out of the compiled region's backward: compute forces in a path that compiles "
-    "only first-order graphs (make_fx[detach=alias]+compile:<backend>, forces via torch.func.grad, or "
-    "torch._dynamo.config.trace_autograd_ops=True), or compile with backend='eager'; making the compiled "
-    "module's outputs contiguous before they are summed (so the incoming gradient has the traced strides) "
-    "avoids the restriding"
-)
 NEXT = (
-    "what it exposes next: with the strides matched, the create_graph backward is still AOTAutograd's own "
-    "and cannot be differentiated (double-backward-unsupported): energy trains compiled, forces do not"
+    "what it exposes next was not measured here; on torch 2.13 (SevenNet, TorchANI) with the strides "
+    "matched the create_graph backward hit double-backward-unsupported"
 )
 
 
@@ -38,6 +34,11 @@ def matches(error: RunError) -> bool:
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
     for v, failed, first in failing_variants(fm, matches):
+        claims = failure_claims(fm, v.name, failed, first, contains=MESSAGE)
+        s0 = next((s for s in failed if fm.run(v.name, s).error == first), None)
+        claims.append(claim("error_frame", f"the recorded traceback passes through {FRAME}", variant=v.name,
+                            scenario=s0, function=FRAME))  # fmt: skip
+        tips = advice(fm, v.name, candidates(v.name, separable=True), failed)
         findings.append(
             Finding(
                 CAUSE,
@@ -48,7 +49,10 @@ def detect(fm: FlowMap) -> list[Finding]:
                 f"({FRAME}){at_user(first)}",
                 evidence={"variant": v.name, "runs": runs_of(v.name, failed), "error": first, "next": NEXT},
                 location={"variant": v.name, **(first.where or {})},
-                fix=f"{FIX}. {NEXT}",
+                fix="keep create_graph=True out of the compiled region's backward: "
+                f"{tips.text}; or make the compiled module's outputs contiguous before they are summed, so the "
+                f"incoming gradient has the traced strides (not tried). {NEXT[0].upper()}{NEXT[1:]}",
+                claims=(*claims, *tips.claims),
             )
         )
     return findings

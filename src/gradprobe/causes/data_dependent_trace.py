@@ -9,8 +9,9 @@ Evidence: the build or run error's message, and the user's frame it came from (`
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap, RunError
-from .common import runs_of, where
+from .common import failure_claims, runs_of, where
 
 CAUSE = "data-dependent-trace"
 SIGNATURES = (
@@ -27,6 +28,16 @@ def matches(error: RunError) -> bool:
     return any(s.lower() in f"{error.type}: {error.message}".lower() for s in SIGNATURES)
 
 
+def _said(error: RunError) -> tuple[str | None, str]:
+    """(exception type, text of the message) that carry the signature, for the claim."""
+    message = error.message.lower()
+    for sig in SIGNATURES:
+        i = message.find(sig.lower())
+        if i >= 0:
+            return None, error.message[i : i + len(sig)]
+    return error.type, ""
+
+
 def detect(fm: FlowMap) -> list[Finding]:
     findings = []
     for v in fm.variants:
@@ -38,6 +49,13 @@ def detect(fm: FlowMap) -> list[Finding]:
         assert first is not None
         at = first.where or {}
         advice = ((fm.evidence.get("advice") or {}).get(v.name) or {}).get(CAUSE)
+        type_, contains = _said(first)
+        claims = failure_claims(
+            fm, v.name, [r.scenario for r in failed], first, contains=contains, type=type_
+        )
+        if advice:
+            claims.append(claim("path_advice", f"{v.name} hands over its own advice for {CAUSE}", variant=v.name,
+                                cause=CAUSE))  # fmt: skip
         findings.append(
             Finding(
                 CAUSE,
@@ -50,11 +68,13 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "error": first,
                 },
                 location={"variant": v.name, **at},
-                fix=advice
-                or "keep the value a tensor at that line (torch.where or a mask instead of an `if` on a tensor; sizes "
+                fix=f"{advice} (the path's own advice)"
+                if advice
+                else "keep the value a tensor at that line (torch.where or a mask instead of an `if` on a tensor; sizes "
                 "from the batch's shapes, not from its values); for torch.compile, "
-                "torch._dynamo.config.capture_scalar_outputs=True lets .item() into the graph. Next: a symbolic "
-                "trace of a data-dependent size needs torch._check(...) hints, or fixed (padded) sizes",
+                "torch._dynamo.config.capture_scalar_outputs=True lets .item() into the graph (not tried). A "
+                "symbolic trace of a data-dependent size needs torch._check(...) hints, or fixed (padded) sizes",
+                claims=tuple(claims),
             )
         )
     return findings

@@ -12,9 +12,12 @@ that flipped a ``donated_buffer`` knob, or the same path with ``donated_buffer=f
 
 from __future__ import annotations
 
+from typing import Any
+
+from ..claims import claim
 from ..flowmap import Finding, FlowMap, RunError
 from ..variants import NO_DONATION_BACKENDS
-from .common import at_user, failing_variants, knob_trial, runs_of
+from .common import at_user, failing_variants, failure_claims, has_run, knob_trial, runs_of
 
 CAUSE = "donated-buffers"
 SIGNATURE = "non-empty donated buffers"
@@ -27,9 +30,8 @@ FIX = (
     "create_graph=False, retain_graph=False (do not mix a plain backward and a force backward on one graph)"
 )
 NEXT = (
-    "what it exposes next: the create_graph backward then runs through AOTAutograd, which cannot "
-    "differentiate it (double-backward-unsupported), or on torch 2.13 a gradient with unexpected strides "
-    "fails first (create-graph-tangent-strides); the way out is the patterns of double-backward-unsupported"
+    "what it exposes next was not measured here; on torch 2.13 (TorchANI, SchNetPack) donation off exposed "
+    "create-graph-tangent-strides or double-backward-unsupported"
 )
 
 
@@ -37,23 +39,40 @@ def matches(error: RunError) -> bool:
     return SIGNATURE in error.message
 
 
-def _next_measured(fm: FlowMap, variant: str) -> str | None:
-    """What the path did with donation off, where that was measured."""
+def _next_measured(fm: FlowMap, variant: str) -> tuple[str, list[Any]] | None:
+    """What the path did with donation off, where that was measured, and the claims that show it."""
     trial = knob_trial(fm, variant, KNOB)
     if trial is not None:
-        return f"measured with {trial.get('change', KNOB + '=false')}: {trial.get('result')}"
+        change = trial.get("change", KNOB + "=false")
+        return f"measured with {change}: {trial.get('result')}", [
+            claim("trial", f"trial {change}: {trial.get('result')}", variant=variant, change=change,
+                  ok=bool(trial.get("ok")))
+        ]  # fmt: skip
     base = variant.partition("[")[0]
     for other in fm.variants:
         if other.name != variant and other.name.partition("[")[0] == base and f"{KNOB}=false" in other.name:
-            errors = [other.error] if other.error is not None else []
-            errors += [r.error for r in fm.runs if r.variant == other.name and r.error is not None]
-            if not errors:
-                return f"measured: {other.name} (donation off) runs"
-            e = errors[0]
+            if other.error is not None:
+                e = other.error
+                return (
+                    f"measured: {other.name} (donation off) then fails at {e.stage} with {named(e)}: {e.type}: "
+                    f"{e.message}",
+                    [claim("build_failed", f"the build of {other.name} failed: {e.type}", variant=other.name,
+                           type=e.type, contains=e.message)],
+                )  # fmt: skip
+            failed = [r for r in fm.runs if r.variant == other.name and r.error is not None]
+            if not failed:
+                ran = [s for s in fm.scenario_names if has_run(fm, other.name, s)]
+                return f"measured: {other.name} (donation off) runs", [
+                    claim("ran", f"{other.name} runs", variant=other.name, scenarios=ran)
+                ]
+            e = failed[0].error
+            assert e is not None
             return (
                 f"measured: {other.name} (donation off) then fails at {e.stage} with {named(e)}: {e.type}: "
-                f"{e.message}"
-            )
+                f"{e.message}",
+                [claim("run_failed", f"{failed[0].scenario} of {other.name} fails: {e.type}", variant=other.name,
+                       scenarios=[failed[0].scenario], type=e.type, contains=e.message)],
+            )  # fmt: skip
     return None
 
 
@@ -85,6 +104,9 @@ def detect(fm: FlowMap) -> list[Finding]:
             hint = f"; measure it: add the variant {_spelled_off(v.name)}"
         else:
             hint = ""
+        claims = failure_claims(fm, v.name, failed, first, contains=SIGNATURE)
+        if measured is not None:
+            claims += measured[1]
         findings.append(
             Finding(
                 CAUSE,
@@ -96,12 +118,13 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "variant": v.name,
                     "runs": runs_of(v.name, failed),
                     "error": first,
-                    "next": measured or NEXT,
+                    "next": measured[0] if measured else NEXT,
                 },
                 location={"variant": v.name, **(first.where or {})},
-                fix=f"{FIX}. Next, {measured}; the way out then is the patterns of double-backward-unsupported"
+                fix=f"{FIX}. Next, {measured[0]}"
                 if measured
                 else f"{FIX}{hint}. {NEXT[0].upper()}{NEXT[1:]}",
+                claims=tuple(claims),
             )
         )
     return findings

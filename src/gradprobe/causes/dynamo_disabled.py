@@ -7,6 +7,7 @@ runs in which no compiled graph ran."""
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 
 CAUSE = "dynamo-disabled"
@@ -45,6 +46,19 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
             + ", so no compiled path was measured",
             evidence={"runs": [[v, s] for v, s in eager], "variants": variants, "dynamo_disabled": off},
+            claims=(
+                claim("environment", by, key="dynamo_disabled"),
+                *(
+                    claim(
+                        "run_failed",
+                        f"{v} ran no compiled code in {', '.join(s for w, s in eager if w == v)}",
+                        variant=v,
+                        scenarios=[s for w, s in eager if w == v],
+                        type="DynamoFallback",
+                    )
+                    for v in variants
+                ),
+            ),
             fix="unset TORCHDYNAMO_DISABLE (and leave torch._dynamo.config.disable False) to probe the compiled paths"
             if off.get("env") == "1"
             else "set torch._dynamo.config.disable = False to probe the compiled paths",

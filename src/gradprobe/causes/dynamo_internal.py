@@ -9,8 +9,9 @@ recorded frame in dynamo's ``guards.py``), the user's frame and the object's typ
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap, RunError
-from .common import at_user, failing_variants, runs_of
+from .common import at_user, failing_variants, failure_claims, runs_of
 
 CAUSE = "dynamo-internal-error"
 TYPES = ("InternalTorchDynamoError",)
@@ -35,6 +36,17 @@ def detect(fm: FlowMap) -> list[Finding]:
         obj = at.get("object_type")
         guard = _guard(first)
         what = f"a {obj} object" if obj else "a user object"
+        if first.type in TYPES:
+            claims = failure_claims(fm, v.name, failed, first, type=first.type)
+        else:
+            claims = failure_claims(fm, v.name, failed, first, contains="InternalTorchDynamoError")
+        s0 = next((s for s in failed if fm.run(v.name, s).error == first), None)
+        if obj:
+            claims.append(claim("error_object", f"the failing frame is a method of {obj}", variant=v.name,
+                                scenario=s0, object_type=obj))  # fmt: skip
+        if guard:
+            claims.append(claim("error_frame", f"dynamo was building its {guard} guard", variant=v.name,
+                                scenario=s0, function=guard))  # fmt: skip
         findings.append(
             Finding(
                 CAUSE,
@@ -53,12 +65,12 @@ def detect(fm: FlowMap) -> list[Finding]:
                 },
                 location={"variant": v.name, **at},
                 fix=(
-                    f"dynamo treats {what} as a container and guards on it (len(), keys): give its type a working "
-                    "__len__ (or no list/dict base class), or hand the compiled region plain tensors and dicts "
-                    "(unpack the object outside it), or exclude the function that takes it with "
-                    "torch._dynamo.disable. What it exposes next: the compile proceeds into the model; for a "
-                    "force-trained potential that is double-backward-unsupported"
+                    (f"dynamo guards on {what} ({guard}) and the call it makes raises: " if guard else "")
+                    + "give its type a working __len__ (or no list/dict base class), or hand the compiled region "
+                    "plain tensors and dicts (unpack the object outside it), or exclude the function that takes it "
+                    "with torch._dynamo.disable (not tried). What it exposes next was not measured"
                 ),
+                claims=tuple(claims),
             )
         )
     return findings

@@ -11,6 +11,7 @@ frozen values by their effect on another batch.
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import where
@@ -42,12 +43,29 @@ def detect(fm: FlowMap) -> list[Finding]:
                 if p not in (tl.get("depends_on") or ()) and p in (missing or {})
             ]
             if gone:
-                hits.append((term, gone, baked[0]))
+                hits.append((term, gone, baked[0], scenario))
         if not hits:
             continue
         first = hits[0][2]
-        lost = sorted({p for _, gone, _ in hits for p in gone})
-        terms = [t for t, _, _ in hits]
+        lost = sorted({p for _, gone, _, _ in hits for p in gone})
+        terms = [t for t, _, _, _ in hits]
+        claims = []
+        for term, gone, site, scenario in hits:
+            claims += [
+                claim("site", f"graph constant {site.get('node')} in {term}'s history", variant=v.name,
+                      kind=str(site.get("kind")), file=site.get("file"), line=site.get("line")),
+                claim("independent", f"{term} does not depend on {names(gone)} in {v.name}", variant=v.name,
+                      term=term, parameters=gone),
+                claim("depends", f"{term} depends on {names(gone)} in {fm.reference}", variant=fm.reference,
+                      term=term, parameters=gone),
+            ]  # fmt: skip
+            run = fm.run(v.name, scenario)
+            if run.error is not None:
+                claims.append(claim("run_failed", f"{scenario} in {v.name} has no gradient path ({run.error.type})",
+                                    variant=v.name, scenarios=[scenario], type=run.error.type))  # fmt: skip
+            else:
+                claims.append(claim("statuses", f"{scenario} in {v.name}: no gradient or exact zero for {names(gone)}",
+                                    variant=v.name, scenario=scenario, parameters=gone, status=["none", "zero"]))  # fmt: skip
         findings.append(
             Finding(
                 CAUSE,
@@ -56,7 +74,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 f"{names(lost)} (which {', '.join(terms)} depend(s) on in {fm.reference}) and use(s) a graph constant "
                 f"at node {first.get('node')}"
                 + (f" ({where(first)})" if first.get("file") else "")
-                + ": a tensor turned into Python data (tolist, numpy) and back inside the traced function",
+                + ": a value computed from them when the graph was traced is a constant of the replayed graph",
                 evidence={
                     "variant": v.name,
                     "sites": [h[2] for h in hits],
@@ -65,7 +83,8 @@ def detect(fm: FlowMap) -> list[Finding]:
                 },
                 location={**first, "variant": v.name},
                 fix="keep the value a tensor inside the traced function (no .tolist()/.numpy()/torch.tensor "
-                "round trip), or pass it in as an input of the trace",
+                "round trip), or pass it in as an input of the trace (not tried)",
+                claims=tuple(claims),
             )
         )
     return findings

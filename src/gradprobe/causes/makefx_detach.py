@@ -11,17 +11,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names
-from .common import differing, runs_of, where
-from .lineage_cuts import cause_of, explained_runs, places
+from .common import Candidate, advice, differing, runs_of, where
+from .lineage_cuts import cause_of, explained_runs, place_claims, places
 
 CAUSE = "makefx-detach"
-DEFAULT_FIX = (
-    "trace with detach decomposed to an alias (knob detach=alias; "
-    "gradprobe.build.NO_DETACH_DECOMPOSITION as make_fx's decomposition_table) or strip the "
-    "detach chains before compiling; or upgrade torch"
+ALIAS = (
+    "trace with detach decomposed to an alias (knob detach=alias; gradprobe.build.NO_DETACH_DECOMPOSITION as "
+    "make_fx's decomposition_table)"
 )
+STRIP = "strip the detach chains on saved tensors before compiling"
+
+
+def _candidates() -> list[Candidate]:
+    return [
+        Candidate(ALIAS, lambda p: p["capture"] == "make_fx" and p["knobs"].get("detach") == "alias"),
+        Candidate(STRIP),
+    ]
+
+
 REFERENCES = ("https://github.com/pytorch/pytorch/issues/175477",)
 
 
@@ -97,6 +107,20 @@ def _finding(
         )
         + (f"; lost: {names(lost)}" if lost else "")
     )
+    sc = worst["scenario"]
+    claims = [
+        claim("count", f"{sc}: {worst['count']} reached in {v}", variant=v, scenario=sc, reached=worst["count"]),
+        claim("count", f"{sc}: {worst['reference_count']} reached in {fm.reference}", variant=fm.reference,
+              scenario=sc, reached=worst["reference_count"]),
+        claim("differs", f"{', '.join(bad)} of {v} differ from {fm.reference}", variant=v, scenarios=bad),
+    ]  # fmt: skip
+    if worst["wrong"] and err:
+        claims.append(claim("verdicts", f"{sc}: {len(worst['wrong'])} off by up to {err:.0%} in {v}", variant=v,
+                            scenario=sc, parameters=worst["wrong"], verdict=["wrong"], at_least=err))  # fmt: skip
+    for s in summaries:
+        if s["missing"]:
+            claims.append(claim("verdicts", f"{s['scenario']}: lost {names(s['missing'])} in {v}", variant=v,
+                                scenario=s["scenario"], parameters=s["missing"], verdict=["missing"]))  # fmt: skip
     if seen:
         first = seen[0].site
         cut = sorted({p for pl in seen for p in pl.parameters})
@@ -106,6 +130,8 @@ def _finding(
         )
         location = {**first, "variant": v}
         runs = [r for pl in seen for r in explained_runs(fm, pl) if r[0] == v] + runs_of(v, bad)
+        for pl in seen[:3]:
+            claims.extend(place_claims(fm, pl))
     elif partial:
         first = partial[0]
         message += (
@@ -115,6 +141,9 @@ def _finding(
         )
         location = {**first, "variant": v}
         runs = runs_of(v, bad)
+        claims.append(claim("site", f"detach node {first.get('node')} at {where(first)}", variant=v, kind="detach",
+                            file=first.get("file"), line=first.get("line"),
+                            parameters=list(first.get("parameters") or ())))  # fmt: skip
     else:
         first = graph.get("first_detach") or {}
         saved = first.get("saved") or {}
@@ -128,8 +157,21 @@ def _finding(
             **{k: saved.get(k) for k in ("file", "line", "code", "op") if saved.get(k) is not None},
         }
         runs = runs_of(v, bad)
+        claims.append(claim("lint", f"the graph lint counted {graph['cutting_detach_nodes']} cutting detach nodes",
+                            variant=v, cutting_detach_nodes=graph["cutting_detach_nodes"]))  # fmt: skip
     if bis is not None and bis.get("summary"):
         message += f"; bisect: {bis['summary']}"
+        claims.append(claim("bisected", f"bisect: {bis['summary']}", variant=v, summary=bis["summary"]))
+    own = (graph.get("advice") or {}).get(CAUSE)
+    if own:
+        claims.append(
+            claim("path_advice", f"{v} hands over its own advice for {CAUSE}", variant=v, cause=CAUSE)
+        )
+        fix = f"{own} (the path's own advice)"
+    else:
+        tips = advice(fm, v, _candidates(), bad)
+        claims.extend(tips.claims)
+        fix = tips.text
     return Finding(
         CAUSE,
         "error",
@@ -143,6 +185,7 @@ def _finding(
             "bisection": bis,
         },
         location=location,
-        fix=(graph.get("advice") or {}).get(CAUSE) or DEFAULT_FIX,
+        fix=fix,
         references=REFERENCES,
+        claims=tuple(claims),
     )

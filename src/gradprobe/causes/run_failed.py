@@ -1,16 +1,32 @@
 """run-failed: a (variant, scenario) run raised or had no gradient path, and no more specific cause
-in the catalogue explains it."""
+in the catalogue explains it. It states the recorded facts — the error, the user's (or package's)
+frame it came from, the innermost recorded frame, the bisection's outcome where one ran — and says
+"cause not known" rather than guess one."""
 
 from __future__ import annotations
 
-from ..flowmap import Finding, FlowMap
-from .common import Explained, where
+from ..claims import claim
+from ..flowmap import Finding, FlowMap, RunError
+from .common import Explained, failure_claims, where
 
 CAUSE = "run-failed"
 
 
+def _facts(fm: FlowMap, variant: str, error: RunError) -> tuple[str, list]:  # type: ignore[type-arg]
+    """'; innermost frame: ...; bisect: ...' and the claims of the bisection."""
+    text, claims = "", []
+    if error.frames:
+        text += f"; innermost recorded frame: {error.frames[-1]}"
+    bis = fm.bisection(variant)
+    if bis is not None and bis.get("summary"):
+        text += f"; bisect: {bis['summary']}"
+        claims.append(claim("bisected", f"bisect: {bis['summary']}", variant=variant, summary=bis["summary"]))
+    return text, claims
+
+
 def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
     skip = explained.runs if explained is not None else set()
+    recorded = bool(fm.evidence.get("lineage"))
     findings = []
     for v in fm.variants:
         failed = [
@@ -20,12 +36,14 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         ]
         if v.error is not None and failed:
             at = v.error.where or {}
+            facts, more = _facts(fm, v.name, v.error)
             findings.append(
                 Finding(
                     CAUSE,
                     "error",
                     f"variant {v.name} failed to {v.error.stage}: {v.error.type}: {v.error.message}"
                     + (f" (at {where(at)})" if at else "")
+                    + facts
                     + "; cause not known: no failure signature in the catalogue matches",
                     evidence={
                         "variant": v.name,
@@ -35,6 +53,10 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                     },
                     fix="see the error; other variants were still measured",
                     location={"variant": v.name, **at} if at else None,
+                    claims=(
+                        *failure_claims(fm, v.name, [], v.error, contains=v.error.message, type=v.error.type),
+                        *more,
+                    ),
                 )
             )
             continue
@@ -45,13 +67,31 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         scen = ", ".join(r.scenario for r in failed)
         no_path = all(r.error is not None and r.error.type == "NoGradPath" for r in failed)
         at = first.where or {}
+        facts, more = _facts(fm, v.name, first)
+        claims = [
+            claim(
+                "run_failed",
+                f"{scen} of {v.name} failed",
+                variant=v.name,
+                scenarios=[r.scenario for r in failed],
+            ),
+            *failure_claims(fm, v.name, [failed[0].scenario], first, contains=first.message, type=first.type),
+            *more,
+        ]
         findings.append(
             Finding(
                 CAUSE,
                 "error",
                 f"{len(failed)} run(s) of {v.name} failed ({scen}): {first.stage}: {first.type}: {first.message}"
                 + (f" (at {where(at)})" if at else "")
-                + ("" if no_path else "; cause not known: no failure signature in the catalogue matches"),
+                + facts
+                + (
+                    "; cause not known: no cut in the recorded lineage explains it"
+                    if no_path and recorded
+                    else "; cause not known"
+                    if no_path
+                    else "; cause not known: no failure signature in the catalogue matches"
+                ),
                 evidence={
                     "variant": v.name,
                     "runs": [[v.name, r.scenario] for r in failed],
@@ -63,12 +103,13 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
                     ],
                 },
                 fix=(
-                    "make the term depend on the parameters through autograd: run the model in train mode when "
-                    "forces use create_graph=self.training, and remove no_grad/detach on the term's path"
+                    "find where the term's value stops carrying gradient"
+                    + ("" if recorded else ": run with diagnose=True (--diagnose), whose lineage can name it")
                 )
                 if no_path
                 else "see the error message; the other runs were still measured",
                 location={"variant": v.name, **at} if at else None,
+                claims=tuple(claims),
             )
         )
     return findings

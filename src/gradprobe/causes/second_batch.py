@@ -3,6 +3,7 @@ second batch of the same shapes: the trace froze trace-time tensors (``pre_dispa
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 
@@ -25,6 +26,13 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         for term, values in (sb.get("term_values") or {}).items():
             parts.append(f"term {term} = {values['variant']:.6g} vs {values['reference']:.6g}")
+        claims = [
+            claim("matches", f"{v.name} matches {fm.reference} in {sb['scenario']} on the traced batch",
+                  variant=v.name, scenarios=[sb["scenario"]]),
+            claim("second_batch", f"on a second batch of the same shapes {v.name} differs: " + "; ".join(parts),
+                  variant=v.name, parameters=list(sb.get("mismatched") or ()),
+                  terms=list(sb.get("term_values") or ())),
+        ]  # fmt: skip
         findings.append(
             Finding(
                 CAUSE,
@@ -32,8 +40,10 @@ def detect(fm: FlowMap) -> list[Finding]:
                 f"{v.name} matches {fm.reference} on the batch it was traced on but not on a second batch of the "
                 f"same shapes ({sb['scenario']}): " + "; ".join(parts),
                 evidence={"variant": v.name, "second_batch": sb},
-                fix="the trace froze values computed at trace time into the graph: trace without "
-                "pre_dispatch, keep inputs as graph inputs (not closures or globals), or re-trace per batch",
+                fix="cause not known beyond that: look for values the graph took from the traced batch (constants, "
+                "closures, globals; pre_dispatch=True freezes trace-time tensors) and make them inputs of the "
+                "trace, or re-trace per batch (not tried)",
+                claims=tuple(claims),
             )
         )
     return findings

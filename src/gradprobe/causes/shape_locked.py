@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 
@@ -17,12 +18,14 @@ def detect(fm: FlowMap) -> list[Finding]:
                 Finding(
                     CAUSE,
                     "warning",
-                    f"{v} does not run on a batch of other shapes ({entry['error']}): the traced graph is "
-                    "specialised to the traced batch's shapes",
+                    f"{v} does not run on a batch of other shapes ({entry['error']})",
                     evidence={"variant": v, "shape_sweep": entry},
                     location={"variant": v},
                     fix="re-trace per shape, pad batches to fixed shapes, or trace with tracing_mode=symbolic / "
-                    "compile with dynamic=True",
+                    "compile with dynamic=True (not tried)",
+                    claims=(
+                        claim("shape_sweep", f"{v} raises on a batch of other shapes", variant=v, fails=True),
+                    ),
                 )
             )
         elif entry.get("mismatched") or entry.get("term_values"):
@@ -34,7 +37,16 @@ def detect(fm: FlowMap) -> list[Finding]:
                     f"{names(entry.get('mismatched') or list(entry.get('term_values') or {}))}",
                     evidence={"variant": v, "shape_sweep": entry},
                     location={"variant": v},
-                    fix="the graph kept trace-time shapes or sizes as constants: trace per shape or symbolically",
+                    fix="trace per shape or symbolically (tracing_mode=symbolic, dynamic=True) (not tried)",
+                    claims=(
+                        claim(
+                            "shape_sweep",
+                            f"{v} differs from {fm.reference} on a batch of other shapes",
+                            variant=v,
+                            fails=False,
+                            parameters=list(entry.get("mismatched") or list(entry.get("term_values") or {})),
+                        ),
+                    ),
                 )
             )
     return findings

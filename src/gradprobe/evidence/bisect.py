@@ -7,6 +7,10 @@ compile → eager), then — at the stage that breaks — detach handling, modul
 backend ladder ``eager`` → ``aot_eager`` → ``aot_eager_decomp_partition`` (→ ``inductor``, or the
 variant's own backend). A backend is never blamed for what flipping detach handling fixes: the
 capture stage is tested first, and a compile ladder is only climbed on a capture that is right.
+
+A trial's ``ok`` is the check's (``collect.bisect_failing``): the flow matches the reference in reach
+and value on the failing scenario and on every other scenario measured after it. A fix is "verified"
+in the summary only on such a trial; a fix trial that does not match is said so.
 """
 
 from __future__ import annotations
@@ -321,10 +325,15 @@ def _summarise(b: Bisection, failing: VariantSpec) -> Bisection:
     elif b.trials:
         parts.append("no single flip restores the flow")
     if b.irrelevant:
-        parts.append(f"{', '.join(b.irrelevant)} does not matter here")
+        parts.append(f"flipping {', '.join(b.irrelevant)} alone does not restore it")
     if b.fix is not None:
+        # A fix is verified only by a trial whose flow matches the reference in reach and value in every
+        # scenario it measured (``collect.bisect_failing``): one that also removes a cut the reference
+        # has (the user's own detach()) gives gradients the reference does not have, and is not.
         parts.append(
-            f"fix verified: {b.fix['variant']} {'matches' if b.fix['ok'] else 'still differs from'} the reference"
+            f"fix verified: {b.fix['variant']} matches the reference"
+            if b.fix["ok"]
+            else f"fix tried: {b.fix['variant']} does not match the reference"
         )
     b.summary = "; ".join(parts)
     return b

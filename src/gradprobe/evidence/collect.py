@@ -212,6 +212,7 @@ def bisect_failing(
     ref_name: str,
     dtype: str,
     model_training: bool,
+    names: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """One bisection per variant that fails where the reference does not (or per failing reference).
 
@@ -219,6 +220,11 @@ def bisect_failing(
     the probe's own run of that scenario (the failing variant itself, as the top rung of its backend
     ladder; a fix the user also asked to measure), and make_fx traces are shared between trials that
     change only the compile (``build.TraceCache``). The reference's gradients are the probe's.
+
+    A trial is judged on the failing scenario, and where that is right, on every other scenario too
+    (same build, one more run each): its ``ok`` says the flow matches the reference in reach and
+    value everywhere it was measured (``scenarios``). ``names``: the trainable parameters' names, for
+    the cells a trial's result says differ.
     """
     by_name = {s.name: s for s in scenarios}
     numels = [p.numel() for p in params]
@@ -235,9 +241,47 @@ def bisect_failing(
             return reached > 0, f"{reached} reached, no error"
         bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
                        numels, dtype)  # fmt: skip
-        return not bad, f"{reached} reached" + (
-            ", differs from the reference" if bad else ", matches the reference"
-        )
+        if not bad:
+            return True, f"{reached} reached, matches the reference"
+        return False, f"{reached} reached, differs from the reference" + _how(m, v)
+
+    def _how(m: Measurement, v: VariantSpec) -> str:
+        """' (missing: a, b; extra: c)': the cells that differ, by verdict, where names are known."""
+        ref = ref_results.get(m.scenario)
+        if not names or ref is None or ref.statuses is None or m.statuses is None:
+            return ""
+        rtol = tolerance(dtype, v.knobs.get("autocast", "off"))
+        rel = m.rel_errors or [None] * len(m.statuses)
+        noise = noise_pairs(ref.statuses, ref.norms or [], m.statuses, m.norms or [], numels, dtype)
+        by: dict[str, list[str]] = {}
+        for n, r, st, e, z in zip(names, ref.statuses, m.statuses, rel, noise, strict=False):
+            got = verdict(r, st, e, rtol, z)
+            if got != "match":
+                by.setdefault(got, []).append(n)
+        parts = [
+            f"{k}: {', '.join(ps[:4])}" + (f" (+{len(ps) - 4})" if len(ps) > 4 else "")
+            for k, ps in by.items()
+        ]
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    def verdict_over(ms: Sequence[Measurement], v: VariantSpec, is_ref: bool) -> tuple[bool, str, list[str]]:
+        """A trial's verdict: the failing scenario first; where it is right, every other scenario the
+        trial measured must be right too (a flip that fixes one scenario and breaks another — a
+        ``detach=alias`` that also removes the user's own ``detach()`` — does not restore the flow)."""
+        ok, result = judge(ms[0], v, is_ref)
+        seen = [ms[0].scenario]
+        if not ok:
+            return ok, result, seen
+        for m in ms[1:]:
+            seen.append(m.scenario)
+            good, why = judge(m, v, is_ref)
+            if not good:
+                return False, f"{ms[0].scenario}: {result}; {m.scenario}: {why}", seen
+        if len(ms) > 1:
+            result = f"{ms[0].scenario}: {result}; {', '.join(m.scenario for m in ms[1:])}: " + (
+                "run and reach parameters too" if is_ref else "match too"
+            )
+        return True, result, seen
 
     for x in measured:
         rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
@@ -250,39 +294,45 @@ def bisect_failing(
             ]
         if not failing:
             continue
-        subset = [by_name[failing[0]]]  # one failing scenario re-measured per trial
+        subset = [by_name[failing[0]]]  # the failing scenario first; the others only where it is right
+        others = [s for s in scenarios if s.name != failing[0]]
 
         def check(
-            v: VariantSpec, subset: list[Scenario] = subset, is_ref: bool = is_ref, reuse: bool = True
+            v: VariantSpec,
+            subset: list[Scenario] = subset,
+            others: list[Scenario] = others,
+            is_ref: bool = is_ref,
+            reuse: bool = True,
         ) -> tuple[bool, str, dict[str, Any]]:
             if reuse:
-                m = _measured_run(measured, v, subset[0].name)
-                if m is not None:
-                    ok, result = judge(m, v, is_ref)
+                ms = [_measured_run(measured, v, s.name) for s in [*subset, *others]]
+                if ms[0] is not None:
+                    ok, result, seen = verdict_over([m for m in ms if m is not None], v, is_ref)
                     return (
                         ok,
                         f"{result} (the probe's own run of {v.name}, re-used)",
-                        {"reused": "measurement"},
+                        {"reused": "measurement", "scenarios": seen},
                     )
                 # Another failing variant's bisection ran this very trial (two compiled variants of
-                # one broken trace share their make_fx stage): same path, scenario and judge.
+                # one broken trace share their make_fx stage): same path, scenarios and judge.
                 key = (subset[0].name, is_ref)
                 done = next((got for k, u, got in tried if k == key and _same_path(u, v)), None)
                 if done is not None:
                     return (
                         done[0],
                         f"{done[1]} (trial re-used from an earlier bisection)",
-                        {"reused": "trial"},
+                        {"reused": "trial", "scenarios": done[2].get("scenarios")},
                     )
             with isolated_settings(import_configs=True):  # one trial's config changes stay in that trial
-                got = _trial(v, subset, is_ref, traces if reuse else None)
+                got = _trial(v, subset, others, is_ref, traces if reuse else None)
             if reuse:
                 tried.append(((subset[0].name, is_ref), v, got))
             return got
 
         def _trial(
-            v: VariantSpec, subset: list[Scenario], is_ref: bool, traces: TraceCache | None
-        ) -> tuple[bool, str, dict[str, Any]]:
+            v: VariantSpec, subset: list[Scenario], others: list[Scenario], is_ref: bool,
+            traces: TraceCache | None,
+        ) -> tuple[bool, str, dict[str, Any]]:  # fmt: skip
             ctx = VariantContext(
                 model, spec.step, mode, terms, batch, make_weights(terms, terms, params[0]), seed=spec.seed
             )
@@ -294,17 +344,26 @@ def bisect_failing(
             if traces is not None and traces.reused > reused:
                 timing["reused"] = "trace"
             if built.error is not None:
+                timing["scenarios"] = [subset[0].name]
                 return False, f"{built.error.stage} failed: {built.error.message}", timing
             start, compiling = time.perf_counter(), _compile_seconds()
-            results = per_scenario(
-                lambda w, run=built.run: run(batch, w),  # type: ignore[misc]
-                params, subset, terms, spec.seed,
-                reference=None if is_ref else ref_results, counter=built.counter, isolate=mode == "terms",
-            )  # fmt: skip
+
+            def runs(which: list[Scenario]) -> list[Measurement]:
+                return per_scenario(
+                    lambda w, run=built.run: run(batch, w),  # type: ignore[misc]
+                    params, which, terms, spec.seed,
+                    reference=None if is_ref else ref_results, counter=built.counter, isolate=mode == "terms",
+                )  # fmt: skip
+
+            ms = runs(subset)
+            if judge(ms[0], v, is_ref)[0] and others:
+                ms += runs(others)
+            ok, result, seen = verdict_over(ms, v, is_ref)
             compile_s = _compile_seconds() - compiling
             timing["compile_s"] = round(compile_s, 4)
             timing["run_s"] = round(time.perf_counter() - start - compile_s, 4)
-            return (*judge(results[0], v, is_ref), timing)
+            timing["scenarios"] = seen
+            return ok, result, timing
 
         found = bisect(x.variant, failing[:1], check, model_training).to_dict()
         # torch's CompilerBisector re-runs the failing path under changed compiler settings: every

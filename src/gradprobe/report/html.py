@@ -18,7 +18,15 @@ import msgspec
 
 from ..flowmap import Finding, FlowMap, Run
 from .controls import visible
-from .terminal import cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
+from .terminal import (
+    cell_text,
+    check_lines,
+    interpretation_lines,
+    meaning_lines,
+    trial_rows,
+    variant_lines,
+    verdict,
+)
 
 SYMBOL = {"nan": "N", "inf": "∞", "zero": "0", "failed": "×", "wrong": "≠", "missing": "−", "extra": "+"}
 LEGEND = (
@@ -201,6 +209,20 @@ def _diffs(fm: FlowMap) -> str:
                     f"<h3>{esc(s)}: {_breakable(fm.reference)} vs {_breakable(v)}</h3>" + _table(header, rows)
                 )
     return _section("Per-parameter diff", "".join(blocks) or '<p class="hint">No cell differs.</p>', "diff")
+
+
+def _trials(fm: FlowMap) -> str:
+    """The trial table of each bisection: flip, result, seconds."""
+    blocks = [
+        f"<h3>{_breakable(variant)}" + (f" (on {esc(scenarios)})" if scenarios else "") + "</h3>"
+        + _table(
+            ["flip", "result", "seconds"],
+            [[esc(flip), f'<td class="{"" if result.startswith("matches") else "bad"}">{esc(result)}</td>',
+              f'<td class="num">{esc(sec)}</td>'] for flip, result, sec in rows],
+        )
+        for variant, scenarios, rows in trial_rows(fm)
+    ]  # fmt: skip
+    return _section("Bisection trials", "".join(blocks), "trials") if blocks else ""
 
 
 # ----- heat map --------------------------------------------------------------------------------
@@ -712,7 +734,7 @@ def _environment(fm: FlowMap) -> str:
 
 def render_html(fm: FlowMap) -> str:
     """The whole report as one self-contained HTML page."""
-    sections = (_header, _findings, _summary, _heatmap, _norm_charts, _checks, _diffs, _environment)
+    sections = (_header, _findings, _summary, _heatmap, _norm_charts, _checks, _trials, _diffs, _environment)
     body = "".join(section(fm) for section in sections)
     return visible(
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

@@ -13,7 +13,15 @@ import re
 
 from ..flowmap import Finding, FlowMap
 from .controls import visible
-from .terminal import cell_text, check_lines, interpretation_lines, meaning_lines, variant_lines, verdict
+from .terminal import (
+    cell_text,
+    check_lines,
+    interpretation_lines,
+    meaning_lines,
+    trial_rows,
+    variant_lines,
+    verdict,
+)
 
 DIFFERS = "⚠"
 _SEVERITY = {"error": "🛑 ERROR", "warning": "⚠️ WARNING", "info": "ℹ️ INFO"}
@@ -153,6 +161,18 @@ def render_markdown(fm: FlowMap) -> str:
     if diffs:
         out += ["<details><summary>Per-parameter diff (differing parameters only)</summary>", "", *diffs]
         out += ["</details>", ""]
+    for variant, scenarios, rows in trial_rows(fm):
+        out += [
+            f"#### Bisection of {md_escape(variant)}"
+            + (f" (on {md_escape(scenarios)})" if scenarios else ""),
+            "",
+            *table(
+                ["flip", "result", "seconds"],
+                [[md_escape(flip), md_escape(result), sec] for flip, result, sec in rows],
+                ["---", "---", "---:"],
+            ),
+            "",
+        ]
     details = [f"- {md_escape(line)}" for line in meaning_lines(fm) + variant_lines(fm) + _checks(fm)]
     details += [f"- **warning:** {md_escape(w)}" for w in fm.warnings]
     if details:

@@ -278,6 +278,37 @@ def dynamo_facts(fm: FlowMap, variant: str) -> str:
     return ", ".join(parts)
 
 
+def trial_rows(fm: FlowMap) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """Per bisection: (variant, the scenarios it was bisected on, rows of (flip, result, seconds)) from
+    ``fm.bisections[*]["trials"]``, each result prefixed by whether the flow matched the reference."""
+    out = []
+    for b in fm.bisections:
+        rows = []
+        for t in b.get("trials") or ():
+            seconds = t.get("seconds")
+            rows.append(
+                (
+                    str(t.get("change", t.get("knob", "?"))),
+                    ("matches: " if t.get("ok") else "does not match: ") + str(t.get("result", "")),
+                    f"{seconds:.2f}" if isinstance(seconds, int | float) else "-",
+                )
+            )
+        if rows:
+            out.append((str(b.get("variant")), ", ".join(b.get("scenarios") or ()), rows))
+    return out
+
+
+def trial_lines(fm: FlowMap) -> list[str]:
+    """The trial table of each bisection: flip, result, seconds."""
+    lines = []
+    for variant, scenarios, rows in trial_rows(fm):
+        lines.append(f"bisect {variant}" + (f" (on {scenarios})" if scenarios else "") + ":")
+        width = max(len("flip"), *(len(r[0]) for r in rows))
+        lines.append(f"  {'flip':<{width}}  {'seconds':>7}  result")
+        lines.extend(f"  {flip:<{width}}  {sec:>7}  {result}" for flip, result, sec in rows)
+    return lines
+
+
 def _agreement(fm: FlowMap, variant: str) -> str:
     """'matches eager on all 56 cells (max rel. error 8.9e-16)', or how many cells differ."""
     cells = [
@@ -454,6 +485,10 @@ def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
     if checked:
         out.extend(["", "checks:"])
         out.extend(f"  {line}" for line in checked)
+    trials = trial_lines(fm)
+    if trials:
+        out.append("")
+        out.extend(trials)
     diffs = [
         line
         for v in fm.variant_names
