@@ -93,6 +93,17 @@ def explicit(site: Mapping[str, Any]) -> bool:
     return kind in EXPLICIT and (kind != "detach" or ".detach" in str(site.get("code", "")))
 
 
+def in_reference(fm: FlowMap, site: Mapping[str, Any]) -> bool:
+    """The reference path's own lineage has a cut of the same kind at the same line of the user's code."""
+    ref = (fm.evidence.get("lineage") or {}).get(fm.reference) or {}
+    return any(
+        s.get("kind") == site.get("kind")
+        and s.get("file") == site.get("file")
+        and s.get("line") == site.get("line")
+        for s in ref.get("sites") or ()
+    )
+
+
 def reached_elsewhere(fm: FlowMap, place: Place) -> bool:
     """Every parameter the place cuts still gets a gradient from the step in those paths: from another
     term, or the same term through the tensor that was not detached."""
@@ -112,9 +123,9 @@ def classify(fm: FlowMap, place: Place) -> str:
     cause = cause_of(place.site)
     if cause != "graph-break-in-model":
         return cause
-    # In the reference the construct is the user's method; only in another path, it is that path
-    # departing from the reference (the same step, written without it, trains these parameters).
-    if explicit(place.site) and fm.reference in place.variants and reached_elsewhere(fm, place):
+    # In the reference the construct is the user's method (a traced path records the same line as a graph
+    # node); only in another path, it is that path departing from the reference.
+    if explicit(place.site) and in_reference(fm, place.site) and reached_elsewhere(fm, place):
         return "stop-gradient"
     if place.statuses and all(st == WRONG for st in place.statuses.values()):
         return "gradient-mismatch"
