@@ -17,7 +17,6 @@ import gradprobe
 from gradprobe.claims import audit
 from gradprobe.variants import user_variant
 
-
 # ----- one tolerance story --------------------------------------------------------------------------
 
 
@@ -46,7 +45,9 @@ def _small_gradient_map(scale: float) -> gradprobe.FlowMap:
         return run
 
     step = lambda m, b: {"fit": m.fit(b)}  # noqa: E731
-    return gradprobe.probe(model, step, x, variants=["eager", user_variant("scaled", builder)], progress=False)
+    return gradprobe.probe(
+        model, step, x, variants=["eager", user_variant("scaled", builder)], progress=False
+    )
 
 
 def test_consistency_fails_on_4_percent_errors_of_small_float32_gradients():
@@ -75,3 +76,51 @@ def test_the_healthy_twin_passes_consistency():
     consistency = fm.checks["consistency"]["variants"]["scaled"]
     assert consistency["passed"] and consistency["checked_cells"] == 3 and consistency["failed_cells"] == 0
     assert not fm.findings
+
+
+# ----- exact zeros are said as measured --------------------------------------------------------------
+
+
+class PerClass(nn.Module):
+    """A shared body and one scoring row per class: the loss reads each sample's own class row, so the
+    rows of classes absent from the batch get an exact zero gradient (a path, carrying zero)."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 3)
+        self.rows = nn.ParameterList([nn.Parameter(torch.randn(3)) for _ in range(classes)])
+        self.spare = nn.Linear(3, 1)  # used by no term
+
+    def forward(self, x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        table = torch.stack(list(self.rows))  # (classes, 3)
+        return (torch.tanh(self.body(x)) * table[label]).sum(-1)
+
+
+def _per_class_step(m, b):  # type: ignore[no-untyped-def]
+    return {"fit": (m(b["x"], b["label"]) - 1.0).pow(2).mean()}
+
+
+@pytest.mark.parametrize("diagnose", [False, True], ids=["plain", "diagnosed"])
+def test_exact_zeros_from_absent_classes_are_said_as_measured(diagnose):
+    batch = {"x": torch.randn(6, 4), "label": torch.tensor([0, 1, 2, 0, 1, 2])}  # classes 3 and 4 absent
+    fm = gradprobe.probe(PerClass(), _per_class_step, batch, diagnose=diagnose, progress=False)
+    assert fm.statuses("eager", "fit only")["rows.3"] == "zero"
+    unused = {f.evidence["status"]: f for f in fm.findings if f.cause == "unused-parameter"}
+    zero, none = unused["zero"], unused["none"]
+    assert zero.evidence["parameters"] == ["rows.3", "rows.4"]
+    assert none.evidence["parameters"] == ["spare.weight", "spare.bias"]
+    for f in (zero, none):  # no guessed reason for the zeros
+        text = f"{f.message} {f.fix}".lower()
+        assert not any(word in text for word in ("gate", "relu", "mask", "zero-initialised")), f
+    assert "exact zero" in zero.message and "carries zero on this batch" in zero.message
+    assert "no gradient" in none.message and "no autograd path" in none.message
+    if diagnose:  # the lineage: the rows' values are read by the term, the spare head's are not
+        assert "the value of fit depends on rows.3, rows.4" in zero.message
+        assert "no term's value depends on spare.weight, spare.bias" in none.message
+        assert {c.kind for c in zero.claims} >= {"statuses", "depends"}
+        assert {c.kind for c in none.claims} >= {"statuses", "independent"}
+    else:
+        assert "lineage" not in zero.message + none.message
+    assert not audit(fm), audit(fm)
+    assert fm.exit_code == 0

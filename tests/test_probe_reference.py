@@ -119,7 +119,8 @@ def test_eval_mode_model_is_a_recorded_symptom():
     for s in ("force only", "virial only"):
         err = fm.run("eager", s).error
         assert err is not None and err.type == "NoGradPath" and err.stage == "backward"
-        assert "eval mode" in err.message
+        # What was measured (no grad_fn), not a guessed cause (it used to ask "eval mode?").
+        assert "no grad_fn" in err.message and "eval mode" not in err.message
     # The force's autograd.grad without create_graph also freed the energy graph: the energy
     # term (and so "all") fails at backward instead of crashing the probe.
     for s in ("energy only", "all"):

@@ -230,7 +230,9 @@ def per_scenario(
         m = Measurement(s.name)
         executions, graphs = (counter.executions, counter.graphs) if counter is not None else (0, 0)
         with observe(s.name) if observe is not None else contextlib.nullcontext():
-            _run_scenario(m, call, params, s, terms, like, counter, executions, graphs, reference, keep, isolate)
+            _run_scenario(
+                m, call, params, s, terms, like, counter, executions, graphs, reference, keep, isolate
+            )
         m.seconds = time.perf_counter() - t0
         results.append(m)
     return results
