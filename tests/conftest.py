@@ -71,10 +71,34 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 class _Audit:
     def __init__(self) -> None:
         self.test = "(outside any test)"
-        self.maps = self.findings = self.claims = 0
+        self.maps = self.findings = self.claims = self.loaded_maps = self.loaded_claims = 0
         self.examples: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()
         self.problems: list[str] = []
+
+    def loaded(self, fm: gradprobe.FlowMap) -> None:
+        """A map read back from JSON (made in a subprocess: the distributed ranks, the CLI): its claims
+        are audited; findings without claims are not counted (saved maps of older versions have none)."""
+        from gradprobe.claims import holds
+
+        if not any(f.claims for f in fm.findings):
+            return
+        self.loaded_maps += 1
+        for f in fm.findings:
+            for c in f.claims:
+                self.loaded_claims += 1
+                try:
+                    ok = holds(fm, c)
+                except Exception as e:
+                    ok, c = (
+                        False,
+                        msgspec.structs.replace(c, text=f"{c.text} (raised {type(e).__name__}: {e})"),
+                    )
+                if not ok:
+                    self.problems.append(
+                        f"{self.test} (a map read from JSON): {f.cause}: claim {c.kind}({c.args}) does not hold: "
+                        f"{c.text}"
+                    )
 
     def __call__(self, fm: gradprobe.FlowMap, findings: list[gradprobe.Finding]) -> None:
         from gradprobe.claims import audit
@@ -131,9 +155,20 @@ def pytest_configure(config):
 
     # The module's name and the names bound to it at import (``from .diagnose import diagnose``).
     bound = [(diagnosis, "diagnose"), (probing, "diagnose"), (distributed, "diagnose_map")]
-    config._claims_audit_restore = [(m, n, getattr(m, n)) for m, n in bound]
+    # Maps read back from JSON, which subprocesses of the tests write.
+    flowmap = importlib.import_module("gradprobe.flowmap")
+    read = flowmap._from_data
+
+    @functools.wraps(read)
+    def from_data(d):
+        fm = read(d)
+        _AUDIT.loaded(fm)
+        return fm
+
+    config._claims_audit_restore = [(m, n, getattr(m, n)) for m, n in [*bound, (flowmap, "_from_data")]]
     for module, name in bound:
         setattr(module, name, diagnose)
+    flowmap._from_data = from_data
 
 
 def pytest_unconfigure(config):
@@ -163,8 +198,8 @@ def pytest_terminal_summary(terminalreporter):
     pending = sum(a.pending.values())
     line = (
         f"claims audit: {a.maps} flow map(s){f' ({examples})' if examples else ''}, {a.findings} finding(s), "
-        f"{a.claims} claim(s); {len(a.problems)} problem(s); {pending} finding(s) of causes still without "
-        "claims (PENDING)"
+        f"{a.claims} claim(s); {a.loaded_maps} map(s) read from JSON with {a.loaded_claims} claim(s); "
+        f"{len(a.problems)} problem(s); {pending} finding(s) of causes still without claims (PENDING)"
     )
     if a.problems:
         terminalreporter.section("claims audit: FAILED", sep="=", red=True, bold=True)

@@ -124,3 +124,46 @@ def test_exact_zeros_from_absent_classes_are_said_as_measured(diagnose):
         assert "lineage" not in zero.message + none.message
     assert not audit(fm), audit(fm)
     assert fm.exit_code == 0
+
+
+# ----- a generic finding gives the measured facts and says the cause is not known ------------------------
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(3, 4)
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, broken: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        a, b = self.a(h), self.b(h)
+        if broken:  # the same values: head a without gradient, head b with an exact zero one
+            a = a.detach()
+            b = b * 0 + b.detach()
+        return (a + b).pow(2).mean() + 0.1 * h.pow(2).mean()
+
+
+def test_flow_mismatch_says_what_was_lost_and_how_and_that_the_cause_is_not_known():
+    def builder(ctx):  # type: ignore[no-untyped-def]
+        def run(b, w):  # type: ignore[no-untyped-def]
+            fit = ctx.model(b, broken=True)
+            return w["fit"] * fit, {"fit": fit}
+
+        return run
+
+    fm = gradprobe.probe(
+        TwoHeads(), lambda m, b: {"fit": m(b)}, torch.randn(8, 3),
+        variants=["eager", user_variant("broken", builder)], progress=False,
+    )  # fmt: skip
+    (f,) = fm.errors()
+    assert f.cause == "flow-mismatch", f
+    assert "fit only: 2 reached vs 6" in f.message
+    assert "a.weight, a.bias: no gradient" in f.message
+    assert "b.weight, b.bias: exact zero: a path that carries zero here" in f.message
+    assert "relative error up to" in f.message  # the body: its gradient no longer has the heads' share
+    assert f.message.endswith("cause not known: no cause in the catalogue matches what was measured")
+    assert [c.kind for c in f.claims][:2] == ["counts", "verdicts"]
+    assert not audit(fm)

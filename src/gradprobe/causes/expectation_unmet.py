@@ -43,8 +43,9 @@ def detect(fm: FlowMap) -> list[Finding]:
             claims.append(claim("statuses", f"{u.scenario} in {u.variant}: {st} for {names(ps)}", variant=u.variant,
                                 scenario=u.scenario, parameters=ps, status=[st]))  # fmt: skip
         for site in sites[:3]:
-            claims.append(claim("site", f"{SPELLING.get(str(site.get('kind')), site.get('kind'))} at {where(site)}", variant=u.variant,
-                                kind=site.get("kind"), file=site.get("file"), line=site.get("line")))  # fmt: skip
+            kind = str(site.get("kind"))
+            claims.append(claim("site", f"{SPELLING.get(kind, kind)} at {where(site)}", variant=u.variant,
+                                kind=kind, file=site.get("file"), line=site.get("line")))  # fmt: skip
         if u.kind == "reaches":
             zero = [p for p, st in statuses.items() if st == "zero"]
             how = "no gradient" if not zero else (

@@ -46,11 +46,18 @@ def mismatch_claims(fm: FlowMap, variant: str, s: dict[str, Any]) -> list[Claim]
         out.append(claim("verdicts", f"extra {names(s['extra'])}", variant=variant, scenario=sc,
                          parameters=list(s["extra"]), verdict=["extra"]))  # fmt: skip
     if s["wrong"]:
+        cells = fm.cells_of(variant, sc)
+        out.append(claim("verdicts", f"{len(s['wrong'])} with wrong values", variant=variant, scenario=sc,
+                         parameters=list(s["wrong"]), verdict=["wrong"]))  # fmt: skip
         worst = s["max_rel_error"]
-        err = f" (relative error up to {worst:.2g})" if worst is not None else ""
-        out.append(claim("verdicts", f"{len(s['wrong'])} of the {s['count']} reached have wrong values{err}",
-                         variant=variant, scenario=sc, parameters=list(s["wrong"]), verdict=["wrong"],
-                         at_least=worst or 0.0))  # fmt: skip
+        if worst is not None:
+            shown = next(p for p in s["wrong"] if cells[p].rel_error == worst)
+            out.append(claim("verdicts", f"relative error up to {worst:.2g} ({shown})", variant=variant,
+                             scenario=sc, parameters=[shown], verdict=["wrong"], at_least=worst))  # fmt: skip
+        nonfinite = [p for p in s["wrong"] if cells[p].status in ("nan", "inf")]
+        if nonfinite:
+            out.append(claim("statuses", f"NaN/Inf for {names(nonfinite)}", variant=variant, scenario=sc,
+                             parameters=nonfinite, status=["nan", "inf"]))  # fmt: skip
     return out
 
 
