@@ -74,6 +74,7 @@ class _Audit:
         self.maps = self.findings = self.claims = self.loaded_maps = self.loaded_claims = 0
         self.examples: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()
+        self.causes: Counter[str] = Counter()  # findings with claims, by cause
         self.problems: list[str] = []
 
     def loaded(self, fm: gradprobe.FlowMap) -> None:
@@ -116,6 +117,8 @@ class _Audit:
         for f in findings:
             self.findings += 1
             self.claims += len(f.claims)
+            if f.claims:
+                self.causes[f.cause] += 1
         for p in problems:
             cause = p.partition(":")[0]
             if p.endswith(": no claims") and cause in PENDING:
@@ -206,6 +209,8 @@ def pytest_terminal_summary(terminalreporter):
         for p in a.problems:
             terminalreporter.write_line(p)
     terminalreporter.write_sep("-", line)
+    if a.causes:
+        terminalreporter.write_line("audited: " + ", ".join(f"{c} ×{n}" for c, n in sorted(a.causes.items())))
     if a.pending:
         terminalreporter.write_line(
             "pending: " + ", ".join(f"{c} ×{n}" for c, n in sorted(a.pending.items()))
