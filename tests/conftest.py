@@ -71,35 +71,38 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 class _Audit:
     def __init__(self) -> None:
         self.test = "(outside any test)"
-        self.maps = self.findings = self.claims = self.loaded_maps = self.loaded_claims = 0
+        self.maps = self.findings = self.claims = self.loaded_maps = self.loaded_claims = self.foreign = 0
         self.examples: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()
         self.causes: Counter[str] = Counter()  # findings with claims, by cause
         self.problems: list[str] = []
 
-    def loaded(self, fm: gradprobe.FlowMap) -> None:
-        """A map read back from JSON (made in a subprocess: the distributed ranks, the CLI): its claims
-        are audited; findings without claims are not counted (saved maps of older versions have none)."""
-        from gradprobe.claims import holds
+    def loaded(self, fm: gradprobe.FlowMap, diagnose) -> None:
+        """A map read back from JSON, made in a subprocess (the distributed ranks, the CLI): audited like
+        a map made here when this gradprobe's diagnosis of its evidence gives its findings. An edited,
+        damaged or older map (the untrusted-file tests' mutations, saved maps, a subprocess that imported
+        another checkout of gradprobe) is not one: only counted."""
+        from gradprobe.claims import audit
 
-        if not any(f.claims for f in fm.findings):
+        if not fm.findings:
+            return
+        said = [(f.cause, f.severity, f.message, f.claims) for f in fm.findings]
+        try:
+            ours = [(f.cause, f.severity, f.message, f.claims) for f in diagnose(fm)] == said
+        except Exception:
+            ours = False
+        if not ours:
+            self.foreign += 1
             return
         self.loaded_maps += 1
-        for f in fm.findings:
-            for c in f.claims:
-                self.loaded_claims += 1
-                try:
-                    ok = holds(fm, c)
-                except Exception as e:
-                    ok, c = (
-                        False,
-                        msgspec.structs.replace(c, text=f"{c.text} (raised {type(e).__name__}: {e})"),
-                    )
-                if not ok:
-                    self.problems.append(
-                        f"{self.test} (a map read from JSON): {f.cause}: claim {c.kind}({c.args}) does not hold: "
-                        f"{c.text}"
-                    )
+        self.loaded_claims += sum(len(f.claims) for f in fm.findings)
+        try:
+            problems = audit(fm)
+        except Exception as e:
+            problems = [f"the audit raised {type(e).__name__}: {e}"]
+        for p in problems:
+            if not (p.endswith(": no claims") and p.partition(":")[0] in PENDING):
+                self.problems.append(f"{self.test} (a map read from JSON): {p}")
 
     def __call__(self, fm: gradprobe.FlowMap, findings: list[gradprobe.Finding]) -> None:
         from gradprobe.claims import audit
@@ -165,7 +168,7 @@ def pytest_configure(config):
     @functools.wraps(read)
     def from_data(d):
         fm = read(d)
-        _AUDIT.loaded(fm)
+        _AUDIT.loaded(fm, original)
         return fm
 
     config._claims_audit_restore = [(m, n, getattr(m, n)) for m, n in [*bound, (flowmap, "_from_data")]]
@@ -201,7 +204,8 @@ def pytest_terminal_summary(terminalreporter):
     pending = sum(a.pending.values())
     line = (
         f"claims audit: {a.maps} flow map(s){f' ({examples})' if examples else ''}, {a.findings} finding(s), "
-        f"{a.claims} claim(s); {a.loaded_maps} map(s) read from JSON with {a.loaded_claims} claim(s); "
+        f"{a.claims} claim(s); {a.loaded_maps} map(s) read from JSON with {a.loaded_claims} claim(s) (and "
+        f"{a.foreign} whose findings this gradprobe does not make of them: edited, damaged or older); "
         f"{len(a.problems)} problem(s); {pending} finding(s) of causes still without claims (PENDING)"
     )
     if a.problems:
