@@ -17,7 +17,8 @@ def checked():
 
 def test_consistency_passes_at_1e_10_for_a_correct_compiled_path(checked):
     c = checked.checks["consistency"]
-    assert (c["rtol"], c["atol"]) == (1e-10, 1e-10)
+    # The relative L1 error per parameter (as the table's cells), at 1e-10 in float64.
+    assert (c["rtol"], c["table_rtol"]) == (1e-10, 1e-7)
     fixed = c["variants"][FIXED]
     assert fixed["passed"] and fixed["checked_cells"] == 48 and fixed["failed_cells"] == 0
 
@@ -26,8 +27,12 @@ def test_consistency_fails_for_raw_make_fx_naming_parameters(checked):
     raw = checked.checks["consistency"]["variants"]["make_fx"]
     assert not raw["passed"]
     worst = {w["parameter"] for w in raw["worst"]}
-    assert {"fitting.layer1.bias", "fitting.layer1.weight"} <= worst
-    assert all(w["excess"] > 1e-3 for w in raw["worst"])
+    # Worst by relative error (the lost biases count 1.0): the embeddings off by up to 3x lead.
+    assert {"fitting.layer1.bias", "descriptor.embed1.bias"} <= worst
+    assert all(w["rel_error"] > 1e-3 for w in raw["worst"])
+    # Every cell the table marks fails the check too: one tolerance story.
+    table = {(s, p) for s in checked.scenario_names for p in checked.differences("make_fx", s)}
+    assert raw["failed_cells"] >= len(table) > 0
 
 
 def test_clean_potential_passes_physics_to_1e_8(checked):

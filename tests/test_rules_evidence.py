@@ -152,4 +152,4 @@ def test_a_reference_that_fails_physics_is_the_culprit_not_the_other_path():
     fm = gradprobe.probe(spec, variants=["eager", user_variant("other", builder)], checks=["physics"])
     assert _errors(fm) == ["forces-not-conservative"] and fm.exit_code == 1
     (mismatch,) = [f for f in fm.findings if f.cause == "flow-mismatch"]
-    assert mismatch.severity == "warning" and "the reference is the culprit" in mismatch.message
+    assert mismatch.severity == "warning" and "a reference that is wrong there" in mismatch.message

@@ -1,7 +1,8 @@
 """Verification: the checks that say a fix is done.
 
-* ``consistency_report``: every variant's gradients and term values against the reference, allclose
-  per element (float64 reaches 1e-10), worst offenders by name — from the probe's own measurements.
+* ``consistency_report``: every variant's gradients and term values against the reference, judged as
+  the flow map's cells are (relative L1 error per parameter, the run's noise floor) at a tighter rtol
+  (float64 reaches 1e-10), worst offenders by name — from the probe's own measurements.
 * ``physics_check``: for potentials, forces against minus central finite differences of the energy,
   the force sum rule, and the virial against the strain derivative (and its symmetry). Catches ghost
   forces sliced instead of scatter-summed, which leave gradient counts unchanged.
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from .build import VariantContext, build
-from .compare import consistency_tolerance, noise_pairs
+from .compare import NOISE_FLOOR, consistency_tolerance, judge, noise_floor, noise_pairs, tolerance
 from .copies import model_copy
 from .errors import SpecError
 from .measure import isolated, run_error
@@ -46,16 +47,29 @@ def consistency_report(
     dtype: str,
     numels: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Allclose of each variant's gradients and term values against the reference, per scenario.
+    """Each path's gradients and term values against the reference's, per (scenario, parameter).
 
-    A parameter whose gradient is at noise level in both runs (below the run's noise floor, see
-    ``compare.noise_floor``) is not compared: noise is not a wrong value."""
-    rtol, atol = consistency_tolerance(dtype)
+    One tolerance story with the flow map's cells: a parameter is judged on the relative L1 error of
+    its gradient against the reference's gradient of that parameter, with the reference run's noise
+    floor (``compare.judge``). A cell fails when the table's verdict (at ``compare.tolerance``) is
+    missing, extra or wrong — so this check never passes where the table shows a difference — or when
+    both gradients are real and differ beyond the tighter ``compare.consistency_tolerance`` by more
+    than the noise floor per element (float64: 1e-10 between correct paths). NaN or Inf on either
+    side fails. A term value fails beyond that rtol of its reference value plus the noise floor of the
+    run's largest term."""
     numels = list(numels) if numels is not None else [1] * len(names)
-    out: dict[str, Any] = {"rtol": rtol, "atol": atol, "variants": {}}
+    floor_of = NOISE_FLOOR.get(dtype, 1e-5)
+    out: dict[str, Any] = {
+        "rtol": consistency_tolerance(dtype),
+        "table_rtol": tolerance(dtype),
+        "noise_floor": floor_of,
+        "variants": {},
+    }
     for x in measured:
         if x.info.name == ref_name:
             continue
+        autocast = x.info.knobs.get("autocast", "off")
+        rtol, table_rtol = consistency_tolerance(dtype, autocast), tolerance(dtype, autocast)
         failed: list[dict[str, Any]] = []
         terms: list[dict[str, Any]] = []
         checked = 0
@@ -63,20 +77,13 @@ def consistency_report(
             ref = reference.get(m.scenario)
             if m.error is not None or ref is None or ref.error is not None:
                 continue
-            noise = _noise(m, ref, numels, dtype)
-            for i, (name, e) in enumerate(zip(names, m.excess or [], strict=False)):
-                if e is None:
-                    continue
-                checked += 1
-                if not e <= atol and not (noise is not None and all(noise[i])):
-                    failed.append({"scenario": m.scenario, "parameter": name, "excess": e})
-            for t, v in m.term_values.items():
-                r = ref.term_values.get(t)
-                if v is not None and r is not None and not abs(v - r) <= atol + rtol * abs(r):
-                    terms.append({"scenario": m.scenario, "term": t, "value": v, "reference": r})
-        failed.sort(key=lambda f: -f["excess"] if f["excess"] == f["excess"] else -math.inf)
+            failed += _inconsistent(m, ref, names, numels, dtype, rtol, table_rtol)
+            checked += sum(e is not None for e in m.rel_errors or ())
+            terms += _terms_off(m, ref, rtol, floor_of)
+        failed.sort(key=lambda f: -_size(f["rel_error"]))
+        terms.sort(key=lambda t: -_size(t["rel_error"]))
         runs_failed = sum(m.error is not None for m in x.results)
-        out["variants"][x.info.name] = {
+        entry = {
             "passed": not failed and not terms and runs_failed == 0 and checked > 0,
             "checked_cells": checked,
             "failed_cells": len(failed),
@@ -84,13 +91,60 @@ def consistency_report(
             "terms": terms[:10],
             "runs_failed": runs_failed,
         }
+        if autocast != "off":
+            entry.update(rtol=rtol, table_rtol=table_rtol)
+        out["variants"][x.info.name] = entry
     return out
 
 
-def _noise(m: Any, ref: Any, numels: Sequence[int], dtype: str) -> list[tuple[bool, bool]] | None:
-    if not m.statuses or not ref.statuses or not m.norms or not ref.norms:
-        return None
-    return noise_pairs(ref.statuses, ref.norms, m.statuses, m.norms, numels, dtype)
+def _size(e: float | None) -> float:
+    """An error as a sort key: unknown or NaN first (the worst), then by size."""
+    return math.inf if e is None or e != e else e
+
+
+def _inconsistent(
+    m: Any, ref: Any, names: Sequence[str], numels: Sequence[int], dtype: str, rtol: float, table_rtol: float
+) -> list[dict[str, Any]]:
+    """The cells of one run that fail the consistency check, with their verdict and relative error."""
+    if not m.statuses or not ref.statuses or m.norms is None or ref.norms is None or m.rel_errors is None:
+        return []
+    rel = m.rel_errors
+    table = judge(ref.statuses, ref.norms, m.statuses, m.norms, rel, numels, dtype, table_rtol)
+    noise = noise_pairs(ref.statuses, ref.norms, m.statuses, m.norms, numels, dtype)
+    floor = noise_floor(ref.norms, numels, dtype)
+    out = []
+    for i, name in enumerate(names):
+        e, st, rst = rel[i], m.statuses[i], ref.statuses[i]
+        if e is None:  # neither has a gradient
+            continue
+        why = table[i]
+        if why == "match":
+            if st in ("nan", "inf") or rst in ("nan", "inf"):
+                why = "nonfinite"
+            elif st == rst == "nonzero" and not all(noise[i]) and not e <= rtol:
+                # Beyond the consistency rtol, and by more than the noise floor per element.
+                diff = e * (ref.norms[i] or 0.0) / max(numels[i], 1)
+                why = "off" if not diff <= floor else "match"
+        if why != "match":
+            out.append({"scenario": m.scenario, "parameter": name, "verdict": why, "rel_error": e,
+                        "status": st, "reference_status": rst})  # fmt: skip
+    return out
+
+
+def _terms_off(m: Any, ref: Any, rtol: float, floor_of: float) -> list[dict[str, Any]]:
+    """The term values of one run that differ from the reference's beyond ``rtol`` of the reference
+    value plus the noise floor of the run's largest term (NaN on either side differs)."""
+    known = [abs(r) for r in ref.term_values.values() if r is not None and math.isfinite(r)]
+    allowance = floor_of * max(known, default=0.0)
+    out = []
+    for t, v in m.term_values.items():
+        r = ref.term_values.get(t)
+        if v is None or r is None or abs(v - r) <= rtol * abs(r) + allowance:
+            continue
+        gap = abs(v - r)
+        out.append({"scenario": m.scenario, "term": t, "value": v, "reference": r,
+                    "rel_error": gap / abs(r) if r else math.inf})  # fmt: skip
+    return out
 
 
 def _float64_copy(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -10,6 +10,7 @@ be written into a finding's claims: the vocabulary of what gradprobe can say is 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -465,3 +466,305 @@ def path_advice(fm: FlowMap, variant: str, cause: str) -> bool:
 
 
 # ----- predicates of the value, flow and check causes ----------------------------------------------------
+
+
+@_predicate
+def matches(fm: FlowMap, variant: str, scenarios: list[str]) -> bool:
+    """Those runs of the path ran, and every cell matches the reference's."""
+    return bool(scenarios) and all(
+        fm.run(variant, s).error is None and fm.cells_of(variant, s) and not fm.differences(variant, s)
+        for s in scenarios
+    )
+
+
+@_predicate
+def same_counts(fm: FlowMap, variant: str, scenarios: list[str]) -> bool:
+    """In those runs the path reaches as many parameters as the reference."""
+    return bool(scenarios) and all(
+        fm.run(variant, s).error is None and fm.count(variant, s) == fm.count(fm.reference, s)
+        for s in scenarios
+    )
+
+
+@_predicate
+def beyond(
+    fm: FlowMap, variant: str, scenario: str, parameter: str, rtol: float, at_least: float = 0.0
+) -> bool:
+    """That cell's relative L1 error against the reference's gradient is above ``rtol`` (and at least
+    ``at_least``); a cell the table calls missing or extra is beyond any tolerance."""
+    c = fm.cell(variant, scenario, parameter)
+    if c.verdict in ("missing", "extra"):
+        return True
+    e = c.rel_error
+    return e is not None and (e != e or (e > rtol and e >= at_least * 0.999))
+
+
+@_predicate
+def term_gap(fm: FlowMap, variant: str, scenario: str, term: str, at_least: float) -> bool:
+    """That run's value of ``term`` differs from the reference's by at least ``at_least`` of it."""
+    a = fm.run(variant, scenario).term_values[term]
+    r = fm.run(fm.reference, scenario).term_values[term]
+    if a is None or r is None:
+        return False
+    gap = abs(a - r) / abs(r) if r else (0.0 if a == r else math.inf)
+    return gap != gap or gap >= at_least * 0.999
+
+
+@_predicate
+def total_value(fm: FlowMap, variant: str, scenario: str, finite: bool) -> bool:
+    """That run's total loss is (not) finite."""
+    value = fm.run(variant, scenario).total
+    return value is not None and math.isfinite(value) == finite
+
+
+@_predicate
+def finite_grads(fm: FlowMap, variant: str, scenarios: list[str]) -> bool:
+    """Those runs measured gradients, none of them NaN or Inf."""
+    return bool(scenarios) and all(
+        fm.cells_of(variant, s) and not fm.with_status(variant, s, "nan", "inf") for s in scenarios
+    )
+
+
+def _ratio_is(pairs: Iterable[tuple[Any, Any]], factor: float, tol: float = 1e-6) -> bool:
+    pairs = list(pairs)
+    return bool(pairs) and all(
+        a is not None
+        and b
+        and math.isfinite(a)
+        and math.isfinite(b)
+        and abs(a / b - factor) <= tol * abs(factor)
+        for a, b in pairs
+    )
+
+
+@_predicate
+def term_ratio(fm: FlowMap, variant: str, term: str, scenarios: list[str], factor: float) -> bool:
+    """In those runs the path's value of ``term`` is ``factor`` times the reference's."""
+    return _ratio_is(
+        (
+            (fm.run(variant, s).term_values.get(term), fm.run(fm.reference, s).term_values.get(term))
+            for s in scenarios
+        ),
+        factor,
+    )
+
+
+@_predicate
+def metric_ratio(fm: FlowMap, variant: str, metric: str, scenarios: list[str], factor: float) -> bool:
+    """In those runs the metric the step reports is ``factor`` times the reference's."""
+    return _ratio_is(
+        (
+            (fm.run(variant, s).metrics.get(metric), fm.run(fm.reference, s).metrics.get(metric))
+            for s in scenarios
+        ),
+        factor,
+    )
+
+
+@_predicate
+def grad_ratio(fm: FlowMap, variant: str, scenario: str, cosine: float, scale: float) -> bool:
+    """That run's gradient vector has at least that cosine with the reference's, and that norm ratio."""
+    run = fm.run(variant, scenario)
+    got_cos, got_scale = run.grad_cosine, run.grad_scale
+    return (
+        got_cos is not None
+        and got_scale is not None
+        and got_cos >= cosine - 1e-12
+        and abs(got_scale - scale) <= 1e-9 * abs(scale)
+    )
+
+
+@_predicate
+def independent(fm: FlowMap, variant: str, terms: list[str], parameters: list[str]) -> bool:
+    """The recorded lineage says no value of ``terms`` depends on any of ``parameters`` in that path."""
+    recorded = _lineage(fm, variant)["terms"]
+    return bool(terms) and not any(set(parameters) & set(recorded[t].get("depends_on") or ()) for t in terms)
+
+
+@_predicate
+def depends_on_nothing(fm: FlowMap, variant: str, term: str) -> bool:
+    """The recorded lineage says ``term``'s value depends on no parameter in that path."""
+    return _lineage(fm, variant)["terms"][term].get("depends_on") == []
+
+
+@_predicate
+def located(fm: FlowMap, kind: str, op: str, file: str, line: int) -> bool:
+    """The locator recorded a break of ``kind`` at that op and line (``fm.breaks``)."""
+    return any(
+        b.get("kind") == kind
+        and str(b.get("op")) == op
+        and _same_file(b.get("file"), file)
+        and b.get("line") == line
+        for b in fm.breaks
+    )
+
+
+@_predicate
+def bisect_fixed(fm: FlowMap, variant: str, fix: str) -> bool:
+    """The bisection of that path measured ``fix`` matching the reference."""
+    b = fm.bisection(variant) or {}
+    f = b.get("fix") or {}
+    return (
+        f.get("variant") == fix
+        and bool(f.get("ok"))
+        and any(t.get("variant") == fix and t.get("ok") for t in b.get("trials") or ())
+    )
+
+
+def _physics(fm: FlowMap, variant: str) -> Mapping[str, Any]:
+    if variant == fm.reference and fm.checks.get("physics"):
+        return fm.checks["physics"]
+    return fm.checks["physics_paths"][variant]
+
+
+@_predicate
+def physics(fm: FlowMap, variant: str, force_off: float, residual: float, cut: bool | None = None) -> bool:
+    """The physics check of that path failed: forces off -dE/dx by at least ``force_off`` of their
+    scale, a sum rule residual of at least ``residual``; with ``cut``, the lineage of the energy's
+    dependence on the coordinates was recorded and has (True) or has not (False) a cut."""
+    p = _physics(fm, variant)
+    return (
+        not p.get("passed", True)
+        and float(p["force"]["max_rel_error"]) >= force_off * 0.999
+        and float(p["sum_rule"]["max_residual"]) >= residual * 0.999
+        and (cut is None or ("cuts" in p and bool(p["cuts"]) == cut))
+    )
+
+
+def _balance(fm: FlowMap) -> Mapping[str, Any]:
+    b = fm.checks["balance"]
+    if b.get("error"):
+        raise ValueError("the balance check did not run")
+    return b
+
+
+@_predicate
+def dominated(fm: FlowMap, term: str, group: str, share: float) -> bool:
+    """The balance check found ``term`` at most ``share`` of the gradient in every group it reaches
+    (``group`` its best)."""
+    return any(
+        d["term"] == term and d["group"] == group and d["share"] <= share * 1.001
+        for d in _balance(fm)["dominated"]
+    )
+
+
+@_predicate
+def conflict(fm: FlowMap, terms: list[str], cosine: float, derived: list[bool] | None = None) -> bool:
+    """The balance check measured the gradients of ``terms`` at that cosine or below (and whether each
+    is computed from a gradient taken inside the step, ``derived``)."""
+    return any(
+        list(c["terms"]) == list(terms)
+        and c["cosine"] <= cosine + 1e-12
+        and (derived is None or list(c.get("derived") or ()) == list(derived))
+        for c in _balance(fm)["conflicts"]
+    )
+
+
+@_predicate
+def trained(fm: FlowMap, variant: str, term: str, verdict: str) -> bool:
+    """The training check's verdict on ``term`` in that path."""
+    return fm.checks["training"]["verdicts"][variant][term] == verdict
+
+
+@_predicate
+def optimizer_gap(fm: FlowMap, key: str, parameters: list[str]) -> bool:
+    """The balance check's optimizer plan lists ``parameters`` under ``key`` (``not_in_optimizer``,
+    ``zero_lr``)."""
+    return _sub(parameters, (_balance(fm)["optimizer"] or {})[key] or ()) and bool(parameters)
+
+
+@_predicate
+def frozen_needed(fm: FlowMap, term: str, parameters: list[str]) -> bool:
+    """The balance check found ``term`` would reach those frozen parameters."""
+    return bool(parameters) and _sub(parameters, (_balance(fm).get("frozen") or {})[term])
+
+
+@_predicate
+def clipped(fm: FlowMap, term: str, relative_update: float) -> bool:
+    """The balance check's clipping leaves ``term`` at most that fraction of its update alone."""
+    return _balance(fm)["clipping"]["terms"][term]["relative_update"] <= relative_update * 1.001
+
+
+@_predicate
+def expected(fm: FlowMap, scenario: str, kind: str, declared: list[str]) -> bool:
+    """The spec declares (``expect=``) that ``scenario`` ``reaches`` / ``not_reaches`` ``declared``."""
+    return list(fm.expect[scenario][kind]) == list(declared)
+
+
+def _distributed(fm: FlowMap) -> Mapping[str, Any]:
+    d = fm.checks["distributed"]
+    if not isinstance(d, Mapping):
+        raise ValueError("not a map merged over ranks")
+    return d
+
+
+@_predicate
+def rank_reach(
+    fm: FlowMap,
+    scenario: str,
+    parameter: str,
+    reached_on: list[int],
+    no_path_on: list[int] = (),  # type: ignore[assignment]
+) -> bool:
+    """In ``scenario`` exactly the ranks ``reached_on`` reach ``parameter``; ``no_path_on`` of the others
+    have no autograd path to it."""
+    d = _distributed(fm)
+    got = sorted((d.get("ranks") or {})[scenario].get(parameter) or ())
+    no_path = (d.get("no_path") or {}).get(scenario) or {}
+    return got == sorted(reached_on) and _sub(no_path_on, no_path.get(parameter) or ())
+
+
+@_predicate
+def unreached_on_every_rank(fm: FlowMap, parameters: list[str], no_path: bool = False) -> bool:
+    """No rank reaches ``parameters`` in any scenario (and, ``no_path``, none has an autograd path)."""
+    d = _distributed(fm)
+    ranks, paths, world = d.get("ranks") or {}, d.get("no_path") or {}, int(d.get("world_size", 1))
+    return (
+        bool(parameters)
+        and bool(ranks)
+        and all(not ranks[s].get(p) for s in ranks for p in parameters)
+        and (
+            not no_path
+            or all(len((paths.get(s) or {}).get(p) or ()) == world for s in ranks for p in parameters)
+        )
+    )
+
+
+@_predicate
+def wrapper(fm: FlowMap, wrapper: str, setting: str | None = None, value: Any = None) -> bool:
+    """The ranks ran under that wrapper (``ddp``, ``fsdp2``, ``none``), with ``setting`` at ``value``."""
+    d = _distributed(fm)
+    return str(d.get("wrapper", "none")) == wrapper and (setting is None or d.get(setting) == value)
+
+
+@_predicate
+def diverged(fm: FlowMap, parameters: list[str], ranks: list[int], at_least: float) -> bool:
+    """The checksums of ``parameters`` differ from rank 0's on ``ranks``, by at least ``at_least``."""
+    off = (_distributed(fm).get("divergence") or {}).get("parameters") or {}
+    return (
+        bool(parameters)
+        and all(p in off for p in parameters)
+        and _sub(ranks, {r for p in parameters for r in off[p].get("ranks", ())})
+        and max(float(off[p].get("max_rel_diff", 0.0)) for p in parameters) >= at_least * 0.999
+    )
+
+
+@_predicate
+def counts(fm: FlowMap, variant: str, scenario: str, reached: int, reference: int) -> bool:
+    """That run reaches ``reached`` trainable parameters, the reference's run of it ``reference``."""
+    return count(fm, variant, scenario, reached) and count(fm, fm.reference, scenario, reference)
+
+
+@_predicate
+def scaled_cells(fm: FlowMap, variant: str, scenario: str, factor: float, tol: float) -> bool:
+    """In that run every parameter the reference reaches is reached, with a gradient ``factor`` times
+    the reference's: its relative error is ``|factor - 1|`` within ``tol``."""
+    cells, ref = fm.cells_of(variant, scenario), fm.reached(fm.reference, scenario)
+    want = abs(factor - 1.0)
+    return bool(ref) and all(
+        p in cells
+        and cells[p].verdict in ("match", "wrong")
+        and cells[p].rel_error is not None
+        and abs(cells[p].rel_error - want) <= tol
+        for p in ref
+    )

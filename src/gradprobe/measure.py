@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .compare import allclose_excess, cosine_and_scale, relative_errors
+from .compare import cosine_and_scale, relative_errors
 from .errors import GradProbeError, StepContractError
 from .flowmap import RunError
 from .frames import frames_of, user_frame_of
@@ -50,7 +50,6 @@ class Measurement:
     rel_errors: list[float | None] | None = None  # against the reference, when one was given
     grads: Grads | None = None  # kept only for the reference variant (one copy of the gradients)
     compiled_graphs: int | None = None  # graphs the backend compiled during this run (0 = no recompile)
-    excess: list[float | None] | None = None  # max(|g - g_ref| - rtol |g_ref|) per parameter (consistency)
     grad_cosine: float | None = None  # against the reference's gradients, all parameters at once
     grad_scale: float | None = None  # |g|_2 / |g_ref|_2
     metrics: dict[str, float | None] = field(default_factory=dict)  # what the step reports beside its loss
@@ -227,7 +226,6 @@ def per_scenario(
     keep: bool = False,
     reference: Mapping[str, Measurement] | None = None,
     counter: Any = None,
-    consistency_rtol: float = 1e-10,
     observe: Callable[[str], AbstractContextManager[Any]] | None = None,
     isolate: bool = False,
 ) -> list[Measurement]:
@@ -250,8 +248,9 @@ def per_scenario(
         m = Measurement(s.name)
         executions, graphs = (counter.executions, counter.graphs) if counter is not None else (0, 0)
         with observe(s.name) if observe is not None else contextlib.nullcontext():
-            _run_scenario(m, call, params, s, terms, like, counter, executions, graphs, reference, keep,
-                          consistency_rtol, isolate)  # fmt: skip
+            _run_scenario(
+                m, call, params, s, terms, like, counter, executions, graphs, reference, keep, isolate
+            )
         m.seconds = time.perf_counter() - t0
         results.append(m)
     return results
@@ -279,7 +278,6 @@ def _run_scenario(
     graphs: int,
     reference: Mapping[str, Measurement] | None,
     keep: bool,
-    consistency_rtol: float,
     isolate: bool = False,
 ) -> None:
     """One forward and one gradient of one scenario into ``m``; failures are recorded, not raised."""
@@ -321,7 +319,6 @@ def _run_scenario(
     ref = reference.get(s.name) if reference is not None else None
     if ref is not None and ref.grads is not None and ref.norms is not None:
         m.rel_errors = relative_errors(grads, ref.grads, ref.norms)
-        m.excess = allclose_excess(grads, ref.grads, consistency_rtol)
         m.grad_cosine, m.grad_scale = cosine_and_scale(grads, ref.grads)
     if keep:
         m.grads = grads

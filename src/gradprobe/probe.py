@@ -18,7 +18,7 @@ from .balance import balance_report
 from .batch import batch_tensors, check_devices, check_not_inference, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
-from .compare import consistency_tolerance, noise_pairs, tolerance, verdict
+from .compare import judge, tolerance, verdict
 from .declarations import check_against, normalized_expect
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
@@ -324,7 +324,6 @@ def _measure(state: _Probe, variant: VariantSpec, keep: bool, alone: bool) -> _M
                     params, state.scenarios, terms, spec.seed, keep=keep,
                     reference=reference,
                     counter=built.counter,
-                    consistency_rtol=consistency_tolerance(state.dtype)[0],
                     observe=_observed(watch, state.scenarios),
                     isolate=state.mode == "terms",
                 )  # fmt: skip
@@ -750,8 +749,7 @@ def _flow_map(state: _Probe) -> FlowMap:
                     numels = [p.numel() for _, p in trainable]
                 rel = m.rel_errors or rel
                 ref_norms = ref_norms_of.get(m.scenario) or [None] * n
-                noise = noise_pairs(refs, ref_norms, m.statuses, m.norms, numels, dtype)
-                verdicts = [verdict(refs[i], st, rel[i], rtol, noise[i]) for i, st in enumerate(m.statuses)]
+                verdicts = judge(refs, ref_norms, m.statuses, m.norms, rel, numels, dtype, rtol)
             cells += [
                 Cell(x.info.name, m.scenario, p, st, norm, r, v)
                 for p, st, norm, r, v in zip(trainable_names, m.statuses, m.norms, rel, verdicts, strict=True)

@@ -13,6 +13,7 @@ clip-swallows-term (error): gradient clipping, set by another term's norm, shrin
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 
@@ -61,6 +62,9 @@ def detect(fm: FlowMap) -> list[Finding]:
             f"reaches; in {d['group']}, its best, {_against(d)}, so it barely moves the parameters{tail}",
             evidence={"dominated": d, "shares": {t: b["shares"][t] for t in (d["term"], d["by"])}},
             location={"term": d["term"], "group": d["group"]},
+            claims=(claim("dominated", f"term {d['term']}: at most {_percent(d['share'])} of the gradient in every "
+                          f"group it reaches ({d['group']} its best)", term=d["term"], group=d["group"],
+                          share=d["share"]),),
             fix=(
                 "nothing to do if the schedule is intended: the term catches up as its prefactor grows"
                 if by_design
@@ -85,10 +89,8 @@ def detect(fm: FlowMap) -> list[Finding]:
         if stuck:
             why, severity = f"; it hurts: the training check has {', '.join(stuck)}", "warning"
         elif by_construction:
-            why = (
-                "; both are derivatives of one energy (computed from a gradient taken inside the step), "
-                "which makes them pull apart by construction"
-                + ("; both decrease in the training check" if trained else "")
+            why = "; both are computed from a gradient taken inside the step (derivatives of one energy)" + (
+                "; both decrease in the training check" if trained else "; no training check ran to show harm"
             )
             severity = "info"
         else:
@@ -101,6 +103,15 @@ def detect(fm: FlowMap) -> list[Finding]:
             f"in {', '.join(bad)}){why}",
             evidence={"conflict": c, "training": {"not_decreasing": stuck} if trained else None},
             location={"terms": c["terms"], "groups": bad},
+            claims=(
+                claim("conflict", f"the gradients of {a} and {z} have cosine {c['cosine']:.2f}", terms=list(c["terms"]),
+                      cosine=c["cosine"], derived=list(derived) if by_construction else None),
+                *(claim("trained", f"{t} {v} in {path}", variant=path, term=t, verdict=v)
+                  for path, vs in verdicts.items() for t, v in vs.items() if t in (a, z) and v != "decreases"),
+                *(claim("trained", f"{t} decreases in {path}", variant=path, term=t, verdict="decreases")
+                  for path, vs in verdicts.items() for t, v in vs.items()
+                  if t in (a, z) and by_construction and trained and not stuck),
+            ),
             fix=(
                 "nothing to do while both train: two derivatives of one energy share its gradient; "
                 "run --check training to see them decrease"
@@ -124,6 +135,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 "their gradients are computed and thrown away",
                 evidence={"parameters": list(found), "terms": terms},
                 location={"parameters": list(found)},
+                claims=(claim("optimizer_gap", f"{names(list(found))} {what}", key=key, parameters=list(found)),),
                 fix="build the optimizer from model.parameters() (check parameter filters and groups), and "
                 "give every group a non-zero learning rate",
             ))  # fmt: skip
@@ -133,6 +145,8 @@ def detect(fm: FlowMap) -> list[Finding]:
             f"term {t} would reach {len(ps)} frozen parameter(s): {names(ps)}",
             evidence={"term": t, "parameters": ps},
             location={"parameters": ps},
+            claims=(claim("frozen_needed", f"term {t} would reach {names(ps)}, which are frozen", term=t,
+                          parameters=list(ps)),),
             fix="unfreeze them (requires_grad_(True)) if the term should train them",
         ))  # fmt: skip
     clip = b.get("clipping")
@@ -147,6 +161,8 @@ def detect(fm: FlowMap) -> list[Finding]:
                     f"{c['relative_update']:.2g}× what it would be alone",
                     evidence={"clipping": clip, "term": t},
                     location={"term": t},
+                    claims=(claim("clipped", f"{t}'s update is {c['relative_update']:.2g}× what it would be alone",
+                                  term=t, relative_update=c["relative_update"]),),
                     fix=f"raise max_norm, clip per term, or rebalance the prefactors so {top} does not set the clip",
                 ))  # fmt: skip
     return out

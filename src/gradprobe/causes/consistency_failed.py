@@ -1,15 +1,28 @@
-"""consistency-failed: the consistency check (allclose per element against the reference, float64
-rtol=atol=1e-10) fails for a path that no other finding is about: values differ below the flow
-table's tolerance but beyond what a correct compiled path reaches. Cells at noise
-level in both runs are not compared (``compare.noise_floor``).
+"""consistency-failed: the consistency check fails for a path that no other finding is about.
+
+The check judges every (scenario, parameter) as the flow map's cells are — the relative L1 error
+against the reference's gradient of that parameter, the reference run's noise floor — at a tighter
+rtol (float64: 1e-10), and term values relatively (``checks.consistency_report``). A path the table
+calls right can still fail it: values that differ below the table's tolerance but beyond what a
+correct compiled path reaches. The finding gives the counts, the worst cells with their relative
+errors and the worst term value, each as a claim on the map's cells and runs.
 """
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from .common import Explained
 
 CAUSE = "consistency-failed"
+# What the table says of a cell that fails the check (``checks.consistency_report``'s verdicts).
+_VERDICT = {
+    "wrong": "wrong in the table too",
+    "missing": "not reached, reached in the reference",
+    "extra": "reached, not in the reference",
+    "off": "within the table's tolerance",
+    "nonfinite": "NaN or Inf",
+}
 
 
 def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
@@ -25,28 +38,61 @@ def detect(fm: FlowMap, explained: Explained | None = None) -> list[Finding]:
         terms = [t for t in r.get("terms") or () if (v, t["scenario"]) not in skip]
         if not worst and not terms:
             continue
-        parts = []
+        rtol = float(r.get("rtol", report.get("rtol")))
+        claims = [
+            claim("check", f"the consistency check of {v} fails", name="consistency", passed=False, variant=v)
+        ]
         if worst:
             w = worst[0]
-            parts.append(f"{r['failed_cells']} of {r['checked_cells']} gradient cells beyond allclose, worst "
-                         f"{w['parameter']} in {w['scenario']} (excess {w['excess']:.3g})")  # fmt: skip
+            error = w.get("rel_error")
+            shown = ", ".join(
+                x
+                for x in (
+                    f"relative error {error:.2g}" if error is not None else "",
+                    _VERDICT.get(w.get("verdict")),
+                )
+                if x
+            )
+            claims.append(
+                claim(
+                    "beyond",
+                    f"{r['failed_cells']} of {r['checked_cells']} gradient cells beyond it, worst {w['parameter']} "
+                    f"in {w['scenario']} ({shown})",
+                    variant=v,
+                    scenario=w["scenario"],
+                    parameter=w["parameter"],
+                    rtol=rtol,
+                    at_least=float(error) if error is not None and error == error else 0.0,
+                )
+            )
         if terms:
             t = terms[0]
-            parts.append(f"term {t['term']} = {t['value']:.10g} vs {t['reference']:.10g} in {t['scenario']}")
+            gap = t.get("rel_error")
+            claims.append(
+                claim(
+                    "term_gap",
+                    f"term {t['term']} = {t['value']:.10g} vs {t['reference']:.10g} in {t['scenario']}",
+                    variant=v,
+                    scenario=t["scenario"],
+                    term=t["term"],
+                    at_least=float(gap) if gap is not None and gap == gap and gap != float("inf") else 0.0,
+                )
+            )
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{v} is not consistent with {fm.reference} (rtol {report.get('rtol'):g}, atol {report.get('atol'):g}): "
-                + "; ".join(parts),
+                f"{v} is not consistent with {fm.reference} (relative L1 error per parameter above {rtol:g}, "
+                "beyond the noise floor): " + "; ".join(c.text for c in claims[1:]),
                 evidence={
                     "variant": v,
                     "consistency": r,
                     "runs": sorted({(v, x["scenario"]) for x in worst + terms}),
                 },
                 location={"variant": v},
-                fix="small but real differences: compare the path's numerics (dtype, reductions, fused ops) with "
-                f"{fm.reference}; a path that is right reaches 1e-10 in float64",
+                claims=tuple(claims),
+                fix="compare the path's numerics (dtype, reductions, fused ops) with "
+                f"{fm.reference} on these parameters; a path that is right reaches {rtol:g} here",
             )
         )
     return findings

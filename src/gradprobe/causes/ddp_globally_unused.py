@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..claims import claim
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
@@ -33,6 +34,16 @@ def detect(fm: FlowMap) -> list[Finding]:
     notes = {p: n for p in unused if (n := note_for(p, fm.notes)) is not None}
     no_path_all = [p for p in unused if all(len((no_path.get(s) or {}).get(p, [])) == world for s in ranks)]
     message = f"{len(unused)} parameter(s) get no non-zero gradient on any rank: {names(unused)}"
+    claims = [
+        claim(
+            "unreached_on_every_rank", f"no rank reaches {names(unused)} in any scenario", parameters=unused
+        )
+    ]
+    if no_path_all:
+        claims.append(claim("unreached_on_every_rank", f"no rank has an autograd path to {names(no_path_all)}",
+                            parameters=no_path_all, no_path=True))  # fmt: skip
+    if notes:
+        claims.append(claim("noted", "declared in notes", parameters=list(notes)))
     if notes:
         message += " — " + "; ".join(sorted(set(notes.values())))
     if no_path_all and wrapper != "fsdp2":
@@ -42,6 +53,8 @@ def detect(fm: FlowMap) -> list[Finding]:
         )
     if wrapper == "ddp" and d.get("find_unused_parameters"):
         message += " (find_unused_parameters=True is set)"
+        claims.append(claim("wrapper", "ddp with find_unused_parameters=True", wrapper="ddp",
+                            setting="find_unused_parameters", value=d.get("find_unused_parameters")))  # fmt: skip
     fix = "freeze them (requires_grad_(False)) before wrapping the model, or remove them; " + (
         "FSDP2 otherwise needs set_reduce_scatter_unused_params(True)"
         if wrapper == "fsdp2"
@@ -60,6 +73,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 "no_path": no_path_all,
             },
             location={"modules": sorted({p.rpartition(".")[0] or p for p in unused})},
+            claims=tuple(claims),
             fix=fix,
         )
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names, rank_list
 
@@ -54,6 +55,17 @@ def detect(fm: FlowMap) -> list[Finding]:
         f"not on rank(s) {rank_list(e0['not_reached_on'])}"
     )
     scenarios = [s for s in fm.scenario_names if any(s in per for per in partial.values())]
+    claims = [
+        claim("rank_reach", f"{p} in {s!r}: reached on rank(s) {rank_list(e['reached_on'])}, not on "
+              f"{rank_list(e['not_reached_on'])}" + (f" (no autograd path on {rank_list(e['no_path_on'])})"
+                                                     if e["no_path_on"] else ""),
+              scenario=s, parameter=p, reached_on=e["reached_on"], no_path_on=e["no_path_on"])
+        for p, per in partial.items() for s, e in per.items()
+    ]  # fmt: skip
+    if handled:
+        setting = "find_unused_parameters" if wrapper == "ddp" else "reduce_scatter_unused_params"
+        claims.append(claim("wrapper", f"{wrapper} with {setting}=True", wrapper=wrapper, setting=setting,
+                            value=d.get(setting)))  # fmt: skip
     message = (
         f"{len(params)} parameter(s) get a gradient on some ranks but not on others: {names(params)} "
         f"({example}; scenarios: {', '.join(scenarios)})"
@@ -98,6 +110,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 "find_unused_parameters": d.get("find_unused_parameters"),
             },
             location={"modules": sorted({p.rpartition(".")[0] or p for p in params})},
+            claims=tuple(claims),
             fix=_fix_locally_unused(wrapper),
             references=("https://pytorch.org/docs/stable/notes/ddp.html",),
         )

@@ -8,11 +8,12 @@ a parameter both expected and noted as intended-unreached is a contradiction and
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..declarations import note_for, unmet
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import where
-from .lineage_cuts import places
+from .lineage_cuts import SPELLING, places
 
 CAUSE = "expectation-unmet"
 
@@ -30,6 +31,21 @@ def detect(fm: FlowMap) -> list[Finding]:
             if u.variant in p.variants and terms & set(p.terms) and set(p.parameters) & set(u.parameters)
         ]  # fmt: skip
         statuses = dict(zip(u.parameters, u.statuses, strict=True))
+        declared = list(fm.expect[u.scenario][u.kind])
+        claims = [
+            claim("expected", f"declared: {u.scenario} {u.kind.replace('_', ' ')} {_declared(fm, u)}",
+                  scenario=u.scenario, kind=u.kind, declared=declared)
+        ]  # fmt: skip
+        by_status: dict[str, list[str]] = {}
+        for p, st in statuses.items():
+            by_status.setdefault(st, []).append(p)
+        for st, ps in by_status.items():
+            claims.append(claim("statuses", f"{u.scenario} in {u.variant}: {st} for {names(ps)}", variant=u.variant,
+                                scenario=u.scenario, parameters=ps, status=[st]))  # fmt: skip
+        for site in sites[:3]:
+            kind = str(site.get("kind"))
+            claims.append(claim("site", f"{SPELLING.get(kind, kind)} at {where(site)}", variant=u.variant,
+                                kind=kind, file=site.get("file"), line=site.get("line")))  # fmt: skip
         if u.kind == "reaches":
             zero = [p for p, st in statuses.items() if st == "zero"]
             how = "no gradient" if not zero else (
@@ -41,6 +57,8 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
             noted = sorted({n for p in u.parameters if (n := note_for(p, fm.notes)) is not None})
             if noted:
+                claims.append(claim("noted", "declared in notes", parameters=[
+                    p for p in u.parameters if note_for(p, fm.notes) is not None]))  # fmt: skip
                 message += (
                     f" (notes call them unreached by design: {'; '.join(noted)}: expect and notes disagree)"
                 )
@@ -74,6 +92,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "sites": sites,
                     "runs": [[u.variant, u.scenario]],
                 },
+                claims=tuple(claims),
                 location={
                     **(sites[0] if sites else {}),
                     "variant": u.variant,

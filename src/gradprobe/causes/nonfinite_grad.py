@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
 from ..wording import names
@@ -22,8 +23,16 @@ def detect(fm: FlowMap) -> list[Finding]:
         message = (
             f"{v}: NaN/Inf gradients in {', '.join(bad)} for {len(params)} parameter(s): {names(params)}"
         )
+        claims = [
+            claim("statuses", f"{s}: NaN/Inf for {names(ps)}", variant=v, scenario=s, parameters=ps,
+                  status=[NAN, INF])
+            for s, ps in bad.items()
+        ]  # fmt: skip
         if located:
-            message += f" — first produced by {located[0].get('op')} at {where(located[0])}"
+            b = located[0]
+            message += f" — first produced by {b.get('op')} at {where(b)}"
+            claims.append(claim("located", f"first produced by {b.get('op')} at {where(b)}", kind="nonfinite",
+                                op=str(b.get("op")), file=b.get("file"), line=b.get("line")))  # fmt: skip
         findings.append(
             Finding(
                 CAUSE,
@@ -36,6 +45,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                     "runs": [[v, s] for s in bad],
                 },
                 location=located[0] if located else None,
+                claims=tuple(claims),
                 fix="guard the op: compute sqrt/log/division on a safe value (torch.where on the INPUT, not only on "
                 "the output: the backward of an unselected branch still multiplies 0 by inf)",
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..status import INF, NAN
 from ..wording import names
@@ -31,6 +32,7 @@ def detect(fm: FlowMap) -> list[Finding]:
         nonfinite_grads = {r.scenario for r in runs if fm.with_status(v, r.scenario, NAN, INF)}
         values: dict[str, float] = {}  # term -> its first non-finite value
         scenarios: list[str] = []
+        claims = []
         for r in runs:
             bad = {t: x for t, x in r.term_values.items() if _bad(x)}
             # A term whose gradient is non-finite wherever it is switched on is nonfinite-grad's: the
@@ -44,17 +46,39 @@ def detect(fm: FlowMap) -> list[Finding]:
             if bad or total_only:
                 scenarios.append(r.scenario)
             for t, x in bad.items():
+                if t not in values:
+                    claims.append(claim("term_value", f"{t} = {x} in {r.scenario}", variant=v, scenario=r.scenario,
+                                        term=t, finite=False))  # fmt: skip
                 values.setdefault(t, x)  # type: ignore[arg-type]
+            if total_only:
+                claims.append(claim("total_value", f"the total loss = {r.total} in {r.scenario}", variant=v,
+                                    scenario=r.scenario, finite=False))  # fmt: skip
         if not scenarios:
             continue
+        # The runs that switch those terms on (or all, for the total) and measured gradients.
+        on = [
+            s for s in scenarios
+            if (not values or set(values) & switched_on[s]) and fm.cells_of(v, s)
+        ]  # fmt: skip
+        finite = (
+            [claim("finite_grads", f"the gradients of {names(on)} are finite", variant=v, scenarios=on)]
+            if on
+            else []
+        )
         what = "term(s) " + ", ".join(f"{t} = {x}" for t, x in values.items()) if values else "the total loss"
         findings.append(
             Finding(
                 CAUSE,
                 "error",
-                f"{v}: {what} in {names(scenarios)}, with finite gradients: the NaN/Inf enters through a part "
-                "without gradient (a label, a detached tensor, a constant), and training would step on while "
-                "the loss is not a number",
+                f"{v}: {what} in {names(scenarios)}"
+                + (
+                    f", with finite gradients in {names(on)}: the NaN/Inf comes from a part of the value that "
+                    "carries no gradient to the parameters"
+                    if on
+                    else ""
+                )
+                + "; training would step on while the loss is not a number",
+                claims=(*claims, *finite),
                 evidence={
                     "variant": v,
                     "terms": {t: str(x) for t, x in values.items()},

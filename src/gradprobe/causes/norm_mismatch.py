@@ -3,15 +3,18 @@ and so do its gradients (same direction, norms scaled by that factor): the two i
 normalise the term differently (per atom vs per frame, mean vs sum).
 
 Evidence: term values per run, and per single-term run the cosine and the L2 ratio of the path's
-gradient vector against the reference's (``Run.grad_cosine``, ``Run.grad_scale``). A constant ratio of
-values alone is not enough: runs differ only in weights, so any path that computes a term the same
-way twice gives one.
+gradient vector against the reference's (``Run.grad_cosine``, ``Run.grad_scale``) and every cell's
+relative error (each parameter's gradient scaled by the factor: ``|factor - 1|``). A constant ratio
+of values alone is not enough: runs differ only in weights, so any path that computes a term the same
+way twice gives one; nor is a gradient vector of the right norm: a factor near 1 gives that to a path
+that gets one small parameter wrong. Each fact is a claim on the map.
 """
 
 from __future__ import annotations
 
 import math
 
+from ..claims import claim, scaled_cells
 from ..flowmap import Finding, FlowMap
 from .common import runs_of
 
@@ -63,13 +66,18 @@ def _metrics(fm: FlowMap) -> list[Finding]:
             ]
             if any(fm.differences(v, s) or fm.run(v, s).error for s in runs):
                 continue  # the gradients differ too: the metric follows them, not a normalisation
+            claims = (
+                claim("metric_ratio", f"metric {metric} is {factor:.6g}× its {ref} value in {v}, in every run "
+                      f"where it is reported ({', '.join(runs)})", variant=v, metric=metric, scenarios=runs,
+                      factor=factor),
+                claim("matches", f"the gradients of {v} match {ref} in those runs", variant=v, scenarios=runs),
+            )  # fmt: skip
             findings.append(
                 Finding(
                     CAUSE,
                     "error",
-                    f"metric {metric} is {factor:.6g}× its {ref} value in {v}, in every run where it is reported "
-                    f"({', '.join(runs)}): the two paths normalise {metric} differently (a reported metric, not a "
-                    "trained term: the gradients are not affected, the training curves are)",
+                    f"{claims[0].text}, and {claims[1].text}: the two paths normalise {metric} differently "
+                    "(a reported metric, not a trained term: the training curves it draws differ)",
                     evidence={
                         "variant": v,
                         "metric": metric,
@@ -77,6 +85,7 @@ def _metrics(fm: FlowMap) -> list[Finding]:
                         "metric_runs": runs_of(v, runs),
                     },
                     location={"variant": v, "metric": metric},
+                    claims=claims,
                     fix=f"align how {metric} is normalised (per atom, per frame, mean vs sum) between the paths",
                 )
             )
@@ -108,23 +117,29 @@ def _terms(fm: FlowMap) -> list[Finding]:
                 continue
             run = fm.run(v, alone)
             cos, scale = run.grad_cosine, run.grad_scale
-            # The gradients must scale with the value: same direction, norm times the factor.
+            # The gradients must scale with the value: same direction, norm times the factor, and
+            # every parameter's gradient by that factor (not one small parameter off).
             if cos is None or scale is None or cos < COSINE_MIN or abs(scale / factor - 1.0) > SCALE_TOL:
+                continue
+            tol = SCALE_TOL * abs(factor - 1.0) + (fm.rtol if fm.rtol is not None else 1e-3)
+            if not scaled_cells(fm, v, alone, factor, tol):
                 continue
             # Every run computes (and reports) the term, switched on or not: each one differs.
             on = list(fm.scenario_names)
+            claims = (
+                claim("term_ratio", f"term {term} is {factor:.6g}× its {ref} value in {v}, in every run "
+                      f"({', '.join(scenarios)})", variant=v, term=term, scenarios=scenarios, factor=factor),
+                claim("grad_ratio", f"its gradients are too ({alone}: cosine {cos:.6f}, norm ratio {scale:.6g})",
+                      variant=v, scenario=alone, cosine=cos, scale=scale),
+                claim("scaled_cells", f"every parameter's gradient by that factor (relative error "
+                      f"{abs(factor - 1):.3g} ± {tol:.1g})", variant=v, scenario=alone, factor=factor, tol=tol),
+            )  # fmt: skip
             findings.append(
                 Finding(
                     CAUSE,
                     "error",
-                    f"term {term} is {factor:.6g}× its {ref} value in {v}, in every run ({', '.join(scenarios)}), "
-                    f"and its gradients are too ({alone}: cosine {cos:.6f}, norm ratio {scale:.6g}): the two paths "
-                    f"normalise {term} differently"
-                    + (
-                        f" (√factor = {math.sqrt(factor):.6g}: a per-atom or per-frame factor, squared)"
-                        if factor > 0
-                        else ""
-                    ),
+                    f"{claims[0].text}, and {claims[1].text}; {claims[2].text}: the two paths normalise {term} "
+                    "differently" + (f" (√factor = {math.sqrt(factor):.6g})" if factor > 0 else ""),
                     evidence={
                         "variant": v,
                         "term": term,
@@ -134,6 +149,7 @@ def _terms(fm: FlowMap) -> list[Finding]:
                         "grad_scale": scale,
                     },
                     location={"variant": v, "term": term},
+                    claims=claims,
                     fix=f"align the normalisation of {term} (per atom, per frame, mean vs sum) between the paths",
                 )
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names, rank_list
 
@@ -34,6 +35,16 @@ def detect(fm: FlowMap) -> list[Finding]:
             f"tolerance {div.get('rtol')}): the ranks are out of sync",
             evidence={"parameters": params, "ranks": bad_ranks, "divergence": dict(off)},
             location={"modules": sorted({p.rpartition(".")[0] or p for p in params})},
+            claims=(
+                claim(
+                    "diverged",
+                    f"{names(params)} differ from rank 0's on rank(s) {rank_list(bad_ranks)} (relative "
+                    f"checksum difference up to {worst:.3g})",
+                    parameters=params,
+                    ranks=bad_ranks,
+                    at_least=worst,
+                ),
+            ),
             fix="start every rank from the same values: build the model with the same seed, or wrap it in "
             "DistributedDataParallel before training (it broadcasts rank 0's parameters and buffers at "
             "construction); keep every update identical on every rank (no rank-dependent optimizer "
