@@ -119,7 +119,7 @@ def test_exact_zeros_from_absent_classes_are_said_as_measured(diagnose):
         assert "the value of fit depends on rows.3, rows.4" in zero.message
         assert "no term's value depends on spare.weight, spare.bias" in none.message
         assert {c.kind for c in zero.claims} >= {"statuses", "depends"}
-        assert {c.kind for c in none.claims} >= {"statuses", "independent"}
+        assert {c.kind for c in none.claims} >= {"statuses", "none_depend"}
     else:
         assert "lineage" not in zero.message + none.message
     assert not audit(fm), audit(fm)

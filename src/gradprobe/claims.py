@@ -469,15 +469,6 @@ def path_advice(fm: FlowMap, variant: str, cause: str) -> bool:
 
 
 @_predicate
-def matches(fm: FlowMap, variant: str, scenarios: list[str]) -> bool:
-    """Those runs of the path ran, and every cell matches the reference's."""
-    return bool(scenarios) and all(
-        fm.run(variant, s).error is None and fm.cells_of(variant, s) and not fm.differences(variant, s)
-        for s in scenarios
-    )
-
-
-@_predicate
 def same_counts(fm: FlowMap, variant: str, scenarios: list[str]) -> bool:
     """In those runs the path reaches as many parameters as the reference."""
     return bool(scenarios) and all(
@@ -575,7 +566,7 @@ def grad_ratio(fm: FlowMap, variant: str, scenario: str, cosine: float, scale: f
 
 
 @_predicate
-def independent(fm: FlowMap, variant: str, terms: list[str], parameters: list[str]) -> bool:
+def none_depend(fm: FlowMap, variant: str, terms: list[str], parameters: list[str]) -> bool:
     """The recorded lineage says no value of ``terms`` depends on any of ``parameters`` in that path."""
     recorded = _lineage(fm, variant)["terms"]
     return bool(terms) and not any(set(parameters) & set(recorded[t].get("depends_on") or ()) for t in terms)
@@ -618,7 +609,9 @@ def _physics(fm: FlowMap, variant: str) -> Mapping[str, Any]:
 
 
 @_predicate
-def physics(fm: FlowMap, variant: str, force_off: float, residual: float, cut: bool | None = None) -> bool:
+def physics_off(
+    fm: FlowMap, variant: str, force_off: float, residual: float, cut: bool | None = None
+) -> bool:
     """The physics check of that path failed: forces off -dE/dx by at least ``force_off`` of their
     scale, a sum rule residual of at least ``residual``; with ``cut``, the lineage of the energy's
     dependence on the coordinates was recorded and has (True) or has not (False) a cut."""

@@ -40,7 +40,7 @@ def _finding(fm: FlowMap, failing: list[tuple[str, dict]], runs: list[list[str]]
     force, sum_rule = physics.get("force", {}), physics.get("sum_rule", {})
     worst = force.get("worst", {})
     claims = [
-        claim("physics", f"{p}: forces off -dE/dx by up to {r['force']['max_rel_error']:.0%} of the force scale, "
+        claim("physics_off", f"{p}: forces off -dE/dx by up to {r['force']['max_rel_error']:.0%} of the force scale, "
               f"force sum residual {r['sum_rule']['max_residual']:.3g}", variant=p,
               force_off=float(r["force"]["max_rel_error"]), residual=float(r["sum_rule"]["max_residual"]),
               cut=False if "cuts" in r else None)

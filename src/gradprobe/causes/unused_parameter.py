@@ -38,7 +38,7 @@ def lineage_claims(fm: FlowMap, variant: str, parameters: Sequence[str]) -> list
     free = [p for p in parameters if not any(p in ps for ps in used.values())]
     out = []
     if free:
-        out.append(claim("independent", f"no term's value depends on {names(free)} (lineage of {variant})",
+        out.append(claim("none_depend", f"no term's value depends on {names(free)} (lineage of {variant})",
                          variant=variant, terms=list(terms), parameters=free))  # fmt: skip
     for t, ps in used.items():
         if ps:
