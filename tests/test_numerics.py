@@ -402,3 +402,23 @@ def test_term_gradients_are_torch_autograd_grads_and_respect_what_intercepts_it(
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: seen.append("patched") or real(*a, **k))
     measured()
     assert seen[-2:] == ["patched", "patched"]
+
+
+def test_tf32_is_a_precision_of_cuda_only():
+    # TF32 switches change float32 matrix products on CUDA only: on the CPU the probe keeps float32's
+    # tolerance whatever they say, and the flag is the user's (put back by the caller here).
+    from gradprobe.compare import consistency_tolerance, precision, tolerance
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert precision(torch.zeros(2)) == "float32"
+        assert precision(torch.zeros(2, dtype=torch.float64)) == "float64"
+        model = torch.nn.Linear(3, 2)
+        fm = gradprobe.probe(model, lambda m, x: {"a": m(x).square().mean()}, torch.randn(4, 3), progress=False)
+        assert fm.dtype == "float32" and fm.rtol == tolerance("float32") and not fm.warnings
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    # TF32's tolerances are a 10-bit mantissa's (float16's), looser than float32's; measured on an H200.
+    assert tolerance("tf32") == tolerance("float16") > tolerance("float32")
+    assert consistency_tolerance("float32") < consistency_tolerance("tf32") <= tolerance("tf32")

@@ -21,7 +21,24 @@ VERDICTS = (MATCH, MISSING, EXTRA, WRONG)
 
 # Relative L1 error above which values count as wrong, by the dtype gradients are computed in.
 # Loose enough for reassociation by compilers, tight enough that a dropped path always shows.
-DEFAULT_RTOL = {"float64": 1e-7, "float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
+# "tf32": float32 on CUDA with TF32 matrix products on (``precision``): a 10-bit mantissa, as float16's.
+DEFAULT_RTOL = {"float64": 1e-7, "float32": 1e-3, "tf32": 1e-2, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def precision(parameter: torch.Tensor) -> str:
+    """The precision the probe's gradients are computed in: the parameter's dtype, or ``"tf32"`` for
+    float32 on CUDA while torch runs float32 matrix products in TF32 (``allow_tf32`` or
+    ``set_float32_matmul_precision("high"/"medium")``). Measured on an H200 with TF32 on: make_fx and
+    eager gradients of the zoo potential differ by up to 3e-3 relative L1, a float32 tolerance's
+    false alarm. TF32 convolutions (``cudnn.allow_tf32``) are not counted: not measured here."""
+    dtype = str(parameter.dtype).removeprefix("torch.")
+    if dtype == "float32" and parameter.device.type == "cuda" and tf32_matmuls():
+        return "tf32"
+    return dtype
+
+
+def tf32_matmuls() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
 def tolerance(dtype: str, autocast: str = "off") -> float:
@@ -91,7 +108,7 @@ def _ratio(diff: float, ref: float) -> float:
 # Noise floor, relative to the run's gradient scale (the largest mean |gradient| of any parameter in
 # the reference run): below it a non-zero gradient is rounding noise of an analytically zero one
 # (attention key biases come out at ~1e-11 of the scale in float64), not a reached parameter.
-NOISE_FLOOR = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+NOISE_FLOOR = {"float64": 1e-9, "float32": 1e-5, "tf32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 
 
 def noise_floor(norms: Sequence[float | None], numels: Sequence[int], dtype: str) -> float:
@@ -183,7 +200,7 @@ def judge(
 # The consistency check's relative L1 error per parameter, by dtype: tighter than the table's
 # (``DEFAULT_RTOL``): float64 reaches 1e-10 between correct paths. The same measure as the cells', the
 # same noise floor: a cell the table calls wrong fails the consistency check too.
-CONSISTENCY_RTOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+CONSISTENCY_RTOL = {"float64": 1e-10, "float32": 1e-5, "tf32": 5e-3, "bfloat16": 2e-2, "float16": 5e-3}
 
 
 def consistency_tolerance(dtype: str, autocast: str = "off") -> float:

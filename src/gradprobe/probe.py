@@ -18,7 +18,7 @@ from .balance import balance_report
 from .batch import batch_tensors, check_devices, check_not_inference, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
-from .compare import judge, tolerance, verdict
+from .compare import consistency_tolerance, judge, precision, tolerance, verdict
 from .declarations import check_against, normalized_expect
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
@@ -151,7 +151,9 @@ class _Probe:
     checks: tuple[str, ...]
     model_training: bool
     params: list[torch.nn.Parameter] = field(init=False)  # the trainable tensors, in ``trainable``'s order
-    dtype: str = field(init=False)  # of the first trainable parameter: the probe's precision
+    dtype: str = field(
+        init=False
+    )  # the probe's precision: the first trainable parameter's (compare.precision)
     batch: Any = None  # the spec's batch with fresh differentiable inputs, inside ``preserved``
     measured: list[_Measured] = field(default_factory=list)
     builds: dict[str, Built] = field(default_factory=dict)
@@ -164,7 +166,7 @@ class _Probe:
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.trainable]
-        self.dtype = str(self.params[0].dtype).removeprefix("torch.")
+        self.dtype = precision(self.params[0])
 
 
 def _run_probe(
@@ -661,7 +663,7 @@ def _compare_on(state: _Probe, batch2: Any) -> dict[str, dict[str, Any]]:
             reference={scenario.name: ref},
             isolate=mode == "terms",
         )
-        rtol = tolerance(str(first.dtype).removeprefix("torch."), m.variant.knobs.get("autocast", "off"))
+        rtol = tolerance(precision(first), m.variant.knobs.get("autocast", "off"))
         entry: dict[str, Any] = {
             "scenario": scenario.name,
             "error": None,
@@ -712,6 +714,17 @@ def _stochastic_warnings(model: torch.nn.Module, measured: list[_Measured]) -> l
         "but a compiled path may still draw differently from eager; value differences on the affected "
         "parameters may be noise. Probe in eval mode for dropout, or set p=0, to compare exactly"
     ]
+
+
+def _precision_warnings(dtype: str) -> tuple[str, ...]:
+    if dtype != "tf32":
+        return ()
+    return (
+        "float32 matrix products run in TF32 on this device (torch.backends.cuda.matmul.allow_tf32 or "
+        "set_float32_matmul_precision): gradients are compared at a 10-bit mantissa's tolerance "
+        f"(relative L1 {tolerance('tf32'):g}, consistency {consistency_tolerance('tf32'):g}); turn TF32 off "
+        "to compare at float32's",
+    )
 
 
 def _flow_map(state: _Probe) -> FlowMap:
@@ -786,7 +799,7 @@ def _flow_map(state: _Probe) -> FlowMap:
         expect=expect,
         reference=ref_name,
         rtol=tolerance(dtype),
-        warnings=tuple(_stochastic_warnings(model, measured)),
+        warnings=tuple(_stochastic_warnings(model, measured)) + _precision_warnings(dtype),
         bisections=tuple(state.bisections),
         breaks=tuple(state.breaks),
         checks=state.checked,
