@@ -515,7 +515,11 @@ def _physics_of_paths(state: _Probe) -> dict[str, Any]:
 
     spec, model = state.spec, state.model
     out: dict[str, Any] = {}
-    if spec.energy_fn is None or spec.predict is None or not isinstance(spec.batch, Mapping):
+    if (
+        spec.energy_fn is None
+        or spec.predict is None
+        or (spec.geometry is None and not isinstance(spec.batch, Mapping))
+    ):
         return out
     for x in state.measured:
         built = state.builds.get(x.info.name)
@@ -551,11 +555,9 @@ def _checked(name: str, run: Any) -> dict[str, Any]:
     except GradProbeError:
         raise
     except Exception as e:
-        text = str(e).strip()
-        return {
-            "passed": False,
-            "error": f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}",
-        }
+        from .checks import described
+
+        return {"passed": False, "error": described(e, 300)}
 
 
 def _compare_per_term(results: list[Measurement], reference: Mapping[str, Measurement]) -> list[Measurement]:
