@@ -120,6 +120,7 @@ class PotentialAdapter:
         self.model, self.batch, self.second_batch = model, batch, second_batch
         self._call = call
         self.energy, self.forces, self.energy_loss, self.loss = energy, forces, energy_loss, loss
+        self._other: bool | None = None  # whether a total-only loss has a part no output explains
         self.stress = stress if isinstance(stress, Stress) or stress is None else Stress(stress)
         positions = positions if positions is not None else find_positions(batch)
         parent = str(positions).rpartition(".")[0]
@@ -205,13 +206,26 @@ class PotentialAdapter:
             raise SpecError(f"no {term} label at {path!r} in the batch")
         return label.to(like.dtype).reshape(like.shape)
 
+    def _atoms_per_frame(self, batch: Any, frames: int) -> torch.Tensor:
+        """Atoms in each frame, with shapes that do not depend on the data (a traced step stays
+        traceable: no ``bincount``, no ``.item()``)."""
+        pos = get(batch, self.geometry.positions)
+        if pos.dim() == 3:
+            return torch.full((frames,), pos.shape[1], device=pos.device)
+        index = get_or_none(batch, self.geometry.frames) if self.geometry.frames is not None else None
+        if not isinstance(index, torch.Tensor):
+            index = torch.zeros(len(pos), dtype=torch.long, device=pos.device)
+        return torch.zeros(frames, device=pos.device).index_add(
+            0, index, torch.ones(len(pos), device=pos.device)
+        )
+
     def _standard(self, read: Mapping[str, torch.Tensor], batch: Any) -> dict[str, torch.Tensor]:
         out = {}
         for t in self.terms:
             pred = read[t]
             diff = pred - self._label(batch, t, pred)
             if t == "energy" and self.energy_loss == "per_atom":
-                diff = diff / self.geometry.read(batch).counts().to(diff.dtype)
+                diff = diff / self._atoms_per_frame(batch, len(diff)).to(diff.dtype)
             out[t] = self.weights[t] * diff.pow(2).mean()
         return out
 
@@ -240,7 +254,9 @@ class PotentialAdapter:
                     others = replaced(others, where[u], label)  # type: ignore[arg-type]
             out[t] = self.loss(others, batch)  # type: ignore[misc]
         rest = total - sum(out.values())
-        if float(rest.detach().abs()) > 1e-6 * max(float(total.detach().abs()), 1e-30):
+        if self._other is None and not _tracing():  # decided once, eagerly: a traced step has no float()
+            self._other = float(rest.detach().abs()) > 1e-6 * max(float(total.detach().abs()), 1e-30)
+        if self._other:
             out["other"] = rest
         return out
 
@@ -305,6 +321,13 @@ class PotentialAdapter:
             else ""
         )
         return f"{terms}\n{forces}{stress}\n{atoms}"
+
+
+def _tracing() -> bool:
+    """Inside make_fx or dynamo, where a tensor's value cannot be read."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None or torch.compiler.is_compiling()
 
 
 def with_forces_scaled(model: torch.nn.Module, factor: float, forces: Path) -> Any:
