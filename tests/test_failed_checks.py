@@ -73,33 +73,46 @@ def test_a_nan_physics_check_fails_and_is_an_error():
 
 
 def test_a_check_that_cannot_run_is_an_error_and_the_rest_stands():
-    model = Springs()
-    model.lock = threading.Lock()  # type: ignore[attr-defined]  # deepcopy raises TypeError on it
-    fm = gradprobe.probe(_spring_spec(model), checks=["training"])
-    assert fm.checks["training"]["passed"] is False and "TypeError" in fm.checks["training"]["error"]
+    def broken_energy(m, b):  # type: ignore[no-untyped-def]
+        raise TypeError("this energy cannot be evaluated")
+
+    spec = dataclasses.replace(_spring_spec(Springs()), energy_fn=broken_energy)
+    fm = gradprobe.probe(spec, checks=["physics"])
+    assert fm.checks["physics"]["passed"] is False and "TypeError" in fm.checks["physics"]["error"]
     (finding,) = [f for f in fm.findings if f.cause == "check-could-not-run"]
-    assert finding.severity == "error" and "training" in finding.message
+    assert finding.severity == "error" and "physics" in finding.message
     assert fm.count("eager", "e only") == (1, 1)  # the measurement itself stands
     assert fm.exit_code == 1
 
 
 @pytest.mark.parametrize("check", ["physics", "training", "balance"])
-def test_every_check_on_a_model_that_cannot_be_copied_is_recorded_and_the_rest_stands(check):
+def test_every_check_on_a_model_that_cannot_be_copied_runs_on_the_model_itself(check):
+    """Issue 33: a model that cannot be deep-copied is checked on itself, its state put back after;
+    the attribute that refuses the copy is named in the check's result."""
     model = Springs()
     model.lock = threading.Lock()  # type: ignore[attr-defined]  # deepcopy raises TypeError on it
     spec = _spring_spec(model)
     if check == "balance":
-        # Adam or SGD are stepped one tensor copy at a time, without a model copy; LBFGS needs one.
-        spec = dataclasses.replace(spec, optimizer=lambda params: torch.optim.LBFGS(params))
+        # Adam or SGD are stepped one tensor copy at a time, without a model copy; ASGD needs one.
+        spec = dataclasses.replace(spec, optimizer=lambda params: torch.optim.ASGD(params, lr=0.01))
+    k = model.k.detach().clone()
     fm = gradprobe.probe(spec, checks=[check])
-    found = [f for f in fm.findings if f.cause == "check-could-not-run"]
-    assert len(found) == 1 and found[0].severity == "error", [f.message for f in fm.findings]
-    assert check in found[0].message and "'lock'" in found[0].message  # names the attribute
-    assert fm.count("eager", "e only") == (1, 1) and fm.exit_code == 1
-    if check == "balance":  # what needs no copy is still there
-        assert "effective update" in found[0].message and fm.checks["balance"]["norms"]["e"]["k"] > 0
+    assert not [f for f in fm.findings if f.severity == "error"], [f.message for f in fm.findings]
+    result = fm.checks[check]
+    part = result["effective_update"] if check == "balance" else result
+    why = part["why"] if check != "physics" else part["precision"]["why"]
+    assert "'lock'" in why and "cannot be deep-copied" in why  # names the attribute
+    assert (part["on"] if check != "physics" else part["precision"]["on"]) == "the model itself"
+    if check == "training":
+        assert result["verdicts"]["eager"] == {"e": "decreases"}
+    if check == "physics":
+        assert result["passed"] and result["precision"]["dtype"] == "float64"
+    assert fm.count("eager", "e only") == (1, 1) and fm.exit_code == 0
+    assert torch.equal(model.k, k) and model.k.grad is None and model.lock.acquire(blocking=False)
     for render in (gradprobe.render, render_markdown, render_html):
-        assert "could not run" in render(fm)
+        text = render(fm)
+        if check != "balance" and render is gradprobe.render:  # the report says where it ran, and why
+            assert "the model itself" in text and "'lock'" in text
     back = gradprobe.FlowMap.from_json(fm.to_json())
     assert [f.cause for f in diagnose(back)] == [f.cause for f in fm.findings]
 

@@ -415,7 +415,9 @@ def test_tf32_is_a_precision_of_cuda_only():
         assert precision(torch.zeros(2)) == "float32"
         assert precision(torch.zeros(2, dtype=torch.float64)) == "float64"
         model = torch.nn.Linear(3, 2)
-        fm = gradprobe.probe(model, lambda m, x: {"a": m(x).square().mean()}, torch.randn(4, 3), progress=False)
+        fm = gradprobe.probe(
+            model, lambda m, x: {"a": m(x).square().mean()}, torch.randn(4, 3), progress=False
+        )
         assert fm.dtype == "float32" and fm.rtol == tolerance("float32") and not fm.warnings
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before

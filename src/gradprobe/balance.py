@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .copies import model_copy
+from .copies import working_model
 from .errors import GradProbeError
 from .evidence.lineage import tensors_in
 from .optim import Plan, fresh_optimizer, plan
@@ -313,9 +313,11 @@ def _effective_update(
 
     An optimizer that treats each tensor on its own (``optim.SEPARABLE``: Adam, SGD, ...) is stepped
     one parameter tensor at a time, on a copy of that tensor: the same updates, with memory for one
-    tensor's copy and state instead of the model's. Others are stepped on a copy of the whole model.
+    tensor's copy and state instead of the model's. Others are stepped on a copy of the whole model, or,
+    when it cannot be copied, on the model itself, its state put back after (``on``, ``why``).
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    on_model: str | None = None
     dots = dict.fromkeys(terms, 0.0)
     alone_sq = dict.fromkeys(terms, 0.0)
     joint_sq = dict.fromkeys(terms, 0.0)
@@ -349,27 +351,29 @@ def _effective_update(
             joint = step_one(joint_grad(i))  # type: ignore[arg-type]
             fold(i, joint, {t: step_one(grads[t][i]) for t in terms if grads[t][i] is not None})
     else:
-        copy_model = model_copy(model)
-        copies = [p for p in copy_model.parameters() if p.requires_grad]
+        with working_model(model) as (copy_model, on_model):
+            copies = [p for p in copy_model.parameters() if p.requires_grad]
+            if copy_model is model:  # stepped in place: each step starts from the values taken here
+                params = [p.detach().clone() for p in params]
 
-        def step_all(grad_list: list[torch.Tensor | None]) -> list[torch.Tensor]:
-            with torch.no_grad():
-                for q, p in zip(copies, params, strict=True):
-                    q.copy_(p)
-            opt = fresh_optimizer(spec, copies, copy_model)
-            for q, g in zip(copies, grad_list, strict=True):
-                q.grad = None if g is None else g.detach().clone()
-            opt.step()
-            for q in copies:
-                q.grad = None
-            return [(q.detach() - p.detach()).double() for q, p in zip(copies, params, strict=True)]
+            def step_all(grad_list: list[torch.Tensor | None]) -> list[torch.Tensor]:
+                with torch.no_grad():
+                    for q, p in zip(copies, params, strict=True):
+                        q.copy_(p)
+                opt = fresh_optimizer(spec, copies, copy_model)
+                for q, g in zip(copies, grad_list, strict=True):
+                    q.grad = None if g is None else g.detach().clone()
+                opt.step()
+                for q in copies:
+                    q.grad = None
+                return [(q.detach() - p.detach()).double() for q, p in zip(copies, params, strict=True)]
 
-        joint_all = step_all([joint_grad(i) for i in range(len(params))])
-        for t in terms:
-            alone_all = step_all(grads[t])
-            for i, (u, j) in enumerate(zip(alone_all, joint_all, strict=True)):
-                if grads[t][i] is not None:
-                    fold(i, j, {t: u})
+            joint_all = step_all([joint_grad(i) for i in range(len(params))])
+            for t in terms:
+                alone_all = step_all(grads[t])
+                for i, (u, j) in enumerate(zip(alone_all, joint_all, strict=True)):
+                    if grads[t][i] is not None:
+                        fold(i, j, {t: u})
     out = {
         t: {
             "cosine_with_joint": dots[t] / math.sqrt(alone_sq[t] * joint_sq[t])
@@ -380,4 +384,7 @@ def _effective_update(
         }
         for t in terms
     }
-    return {"optimizer": the_plan.cls.__name__, "terms": out}
+    result: dict[str, Any] = {"optimizer": the_plan.cls.__name__, "terms": out}
+    if on_model is not None:
+        result["on"], result["why"] = "the model itself", on_model
+    return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -116,3 +117,22 @@ def with_differentiable_inputs(batch: Any, keys: Sequence[str]) -> Any:
             )
         out[k] = t.detach().clone().requires_grad_(True)
     return out
+
+
+def as_float64(x: Any) -> Any:
+    """The batch with every floating tensor in float64 (a differentiable input stays a leaf that
+    requires grad), in nested dicts, lists, tuples and PyG ``Data``/``Batch`` objects (through their
+    own ``apply``, on a copy); the batch itself is not written."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+    if isinstance(x, Mapping):
+        return (
+            type(x)({k: as_float64(v) for k, v in x.items()})
+            if type(x) is dict
+            else {k: as_float64(v) for k, v in x.items()}
+        )
+    if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
+        return type(x)(as_float64(v) for v in x)
+    if callable(getattr(x, "apply", None)) and callable(getattr(x, "keys", None)):  # a PyG Data
+        return copy.copy(x).apply(as_float64)
+    return x

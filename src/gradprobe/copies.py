@@ -1,12 +1,16 @@
 """Copies of the user's model for the checks that step or convert one (training, balance, physics):
-the user's model is never stepped, converted or handed to an optimizer factory.
+the user's model is never stepped, converted or handed to an optimizer factory while a copy can be
+made.
 
 * ``model_copy``: a deep copy. A model that ran a forward often holds tensors computed from its
-  parameters in plain attributes (a cached activation, old-style ``spectral_norm``/``weight_norm``'s
-  computed ``weight``), which ``deepcopy`` refuses ("Only Tensors created explicitly by the user (graph
-  leaves) support the deepcopy protocol"): the copy gets their values, detached. What still cannot be
-  copied (a lock, a process pool, an open file) raises ``CopyError`` naming the attribute; the check
-  that needed the copy is recorded as could-not-run and the rest of the probe stands.
+  parameters in plain attributes, directly or in a dict or list (a cached activation, old-style
+  ``spectral_norm``/``weight_norm``'s computed ``weight``, matgl's ``feature_dict``), which ``deepcopy``
+  refuses ("Only Tensors created explicitly by the user (graph leaves) support the deepcopy
+  protocol"): the copy gets their values, detached. What still cannot be copied (a lock, a process
+  pool, an open file) raises ``CopyError`` naming the attribute.
+* ``working_model``: the copy a check works on, or, where none can be made, the model itself under
+  the state guarantee (its parameters, buffers and attributes put back when the check ends), with a
+  note that names the attribute.
 * ``meta_twin``: the model's structure with every parameter and buffer on the meta device (no memory,
   no values), for code that only needs names, shapes and identities: an optimizer factory builds its
   groups on it, so hooks it registers land on the twin, never on the user's parameters.
@@ -14,7 +18,9 @@ the user's model is never stepped, converted or handed to an optimizer factory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,13 +30,30 @@ class CopyError(RuntimeError):
     """The model cannot be deep-copied; the message names the attribute that refuses."""
 
 
+# How deep the search for computed tensors goes into an attribute's dicts, lists and tuples.
+_DEPTH = 4
+
+
 def _computed_tensors(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """``deepcopy`` memo entries: each plain attribute holding a non-leaf tensor, as a detached copy."""
+    """``deepcopy`` memo entries: each non-leaf tensor a module holds in a plain attribute, directly or
+    in dicts, lists and tuples, as a detached copy."""
     memo: dict[int, Any] = {}
-    for m in model.modules():
-        for v in vars(m).values():
-            if isinstance(v, torch.Tensor) and not v.is_leaf and id(v) not in memo:
+
+    def visit(v: Any, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            if not v.is_leaf and id(v) not in memo:
                 memo[id(v)] = v.detach().clone()
+        elif depth < _DEPTH and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth + 1)
+        elif depth < _DEPTH and isinstance(v, list | tuple):
+            for x in v:
+                visit(x, depth + 1)
+
+    for m in model.modules():
+        for key, v in vars(m).items():
+            if key != "_modules":
+                visit(v, 0)
     return memo
 
 
@@ -38,9 +61,9 @@ def model_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model``; tensors it computed and keeps in attributes are copied detached."""
     memo = _computed_tensors(model)
     try:
-        return copy.deepcopy(model, memo)
+        return copy.deepcopy(model, dict(memo))  # deepcopy fills its memo: _why_not needs it as it was
     except Exception as e:
-        raise CopyError(_why_not(model, memo, e)) from e
+        raise CopyError(f"the model cannot be deep-copied: {_why_not(model, memo, e)}") from e
 
 
 def _why_not(model: torch.nn.Module, memo: dict[int, Any], error: Exception) -> str:
@@ -56,11 +79,28 @@ def _why_not(model: torch.nn.Module, memo: dict[int, Any], error: Exception) -> 
             except Exception:
                 where = f"module {name!r}" if name else "the root module"
                 return (
-                    f"the model cannot be deep-copied: attribute {attr!r} of {where} ({type(m).__name__}) "
-                    f"holds a {type(v).__name__} ({cause}); the check works on a copy, so make the attribute "
-                    "copyable (define __deepcopy__ on its class) or keep it outside the model"
+                    f"attribute {attr!r} of {where} ({type(m).__name__}) holds a {type(v).__name__} ({cause})"
                 )
-    return f"the model cannot be deep-copied ({cause}); the check works on a copy"
+    return f"({cause})"
+
+
+@contextlib.contextmanager
+def working_model(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str | None]]:
+    """``(copy, None)``; where no copy can be made, ``(model, note)``: the model itself, its state
+    (parameters and their ``.grad``, buffers, attributes, modes) put back when the body ends, and a
+    note that says why, naming the attribute."""
+    try:
+        copied = model_copy(model)
+    except CopyError as e:
+        from .model_state import restore_model, snapshot_model
+
+        state = snapshot_model(model)
+        try:
+            yield model, f"{e}; run on the model itself, whose state is put back after"
+        finally:
+            restore_model(state)
+        return
+    yield copied, None
 
 
 def meta_twin(model: torch.nn.Module) -> torch.nn.Module:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .batch import as_float64
 from .rng import reseed
 from .step import check_total, make_weights
 
@@ -332,22 +333,6 @@ def budget(step_seconds: float) -> float:
     return max(BUDGET_S, 20 * step_seconds)
 
 
-def _as_float64(x: Any) -> Any:
-    """The batch with every floating tensor in float64 (a differentiable input stays a leaf that
-    requires grad)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point() else x
-    if isinstance(x, Mapping):
-        return (
-            type(x)({k: _as_float64(v) for k, v in x.items()})
-            if type(x) is dict
-            else {k: _as_float64(v) for k, v in x.items()}
-        )
-    if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
-        return type(x)(_as_float64(v) for v in x)
-    return x
-
-
 def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -372,7 +357,7 @@ def reference_path(
 
     try:
         copy = model_copy(model).double()
-        batch64 = _as_float64(batch)
+        batch64 = as_float64(batch)
         path = Path(
             name,
             lambda w: weighted(copy, batch64, w),

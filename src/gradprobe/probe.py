@@ -516,7 +516,11 @@ def _physics_of_paths(state: _Probe) -> dict[str, Any]:
 
     spec, model = state.spec, state.model
     out: dict[str, Any] = {}
-    if spec.energy_fn is None or spec.predict is None or not isinstance(spec.batch, Mapping):
+    if (
+        spec.energy_fn is None
+        or spec.predict is None
+        or (spec.geometry is None and not isinstance(spec.batch, Mapping))
+    ):
         return out
     for x in state.measured:
         built = state.builds.get(x.info.name)

@@ -54,6 +54,10 @@ class ProbeSpec:
             (and virial), checked against finite differences of ``energy_fn``.
         coord_key, box_key: where the coordinates ``(nframes, natoms, 3)`` and cells ``(nframes, 3, 3)``
             are in a dict batch (``box_key=None``: not periodic, no virial check).
+        geometry: where the atoms are in any other batch, for the physics check: a
+            ``gradprobe.geometry.Geometry`` (positions ``(atoms, 3)`` by path in a PyG ``Data``/``Batch``,
+            a dict or a tuple, the per-atom frame index, Cartesian or fractional, the cells);
+            ``gradprobe.adapters.potential`` builds one. Replaces ``coord_key``/``box_key``.
         differentiable_inputs: batch keys that the probe clones and marks ``requires_grad_`` before each
             run (for steps that expect the caller to do it). The user's batch is never modified.
         notes: ``{parameter name or prefix: why it may legitimately get no gradient}``; shown in the
@@ -88,6 +92,7 @@ class ProbeSpec:
     predict: Callable[..., Mapping[str, torch.Tensor]] | None = None
     coord_key: str = "coord"
     box_key: str | None = "box"
+    geometry: Any = None
     differentiable_inputs: Sequence[str] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
     expect: Mapping[str, Any] | None = None

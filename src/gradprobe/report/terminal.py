@@ -372,9 +372,15 @@ def check_lines(fm: FlowMap) -> list[str]:
         ]
         if "virial" in p:
             parts.append(f"virial vs strain {p['virial']['max_rel_error']:.2g}")
+        precision = p.get("precision") or {}
+        if precision.get("detectable") is not None:
+            parts.append(f"detects forces off by {precision['detectable']:.2g} or more")
         lines.append(
-            f"physics ({p['samples']} finite-difference samples, float64): {head} — " + ", ".join(parts)
+            f"physics ({p['samples']} finite-difference samples, {precision.get('dtype', 'float64')}): {head} — "
+            + ", ".join(parts)
         )
+        if precision.get("why"):  # not a float64 copy: on what, in which precision, and why
+            lines.append(f"  on {precision['on']}, in {precision['dtype']}: {precision['why']}")
         lines.extend(f"  {failure}" for failure in p["failures"])
     for v, r in (checks.get("physics_paths") or {}).items():
         if r.get("skipped") or r.get("error"):
@@ -424,7 +430,9 @@ def check_lines(fm: FlowMap) -> list[str]:
         )
     t = checks.get("training")
     if t and not t.get("error"):
-        lines.append(f"training ({t['steps']} {t['optimizer']} steps per term, on a copy):")
+        lines.append(f"training ({t['steps']} {t['optimizer']} steps per term, on {t.get('on', 'a copy')}):")
+        if t.get("why"):
+            lines.append(f"  {t['why']}")
         for v, verdicts in t["verdicts"].items():
             gap = t["divergence_from_reference"].get(v)
             tail = f" — trajectory differs from {fm.reference} by up to {gap:.2g}" if gap else ""
