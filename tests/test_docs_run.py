@@ -50,20 +50,27 @@ class Block:
     text: str
     marker: str | None
     section: int  # index of the heading the block is under
+    heading: str
 
     @property
     def where(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def id(self) -> str:
+        """A test id that survives edits above the block: the page and the command or the heading."""
+        m = OUTPUT.match(self.marker or "")
+        return f"{self.page.name}: {m.group(2)[:70] if m else self.heading}"
 
 
 def blocks(page: Path) -> list[Block]:
     """The fenced blocks of a Markdown page, with the marker right above each."""
     lines = page.read_text(encoding="utf-8").splitlines()
     out: list[Block] = []
-    section, i = 0, 0
+    section, heading, i = 0, "", 0
     while i < len(lines):
         if lines[i].startswith("#"):
-            section += 1
+            section, heading = section + 1, lines[i].lstrip("#").strip()
         m = FENCE.match(lines[i])
         if not m:
             i += 1
@@ -71,7 +78,15 @@ def blocks(page: Path) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == m.group(1))
         above = MARKER.match(lines[i - 1]) if i else None
         out.append(
-            Block(page, i + 1, m.group(2), "\n".join(lines[i + 1 : end]), above and above.group(1), section)
+            Block(
+                page,
+                i + 1,
+                m.group(2),
+                "\n".join(lines[i + 1 : end]),
+                above and above.group(1),
+                section,
+                heading,
+            )
         )
         i = end + 1
     return out
@@ -297,7 +312,7 @@ def _gradprobe(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 OUTPUT_BLOCKS = [b for b in ALL if b.marker and OUTPUT.match(b.marker)]
 
 
-@pytest.mark.parametrize("block", OUTPUT_BLOCKS, ids=[b.where for b in OUTPUT_BLOCKS])
+@pytest.mark.parametrize("block", OUTPUT_BLOCKS, ids=[b.id for b in OUTPUT_BLOCKS])
 def test_output_block_is_what_the_command_prints(block, workdir):
     kind, command, status = OUTPUT.match(block.marker).groups()
     shown_in = _command_block(block, command)
@@ -329,7 +344,7 @@ def _script(block: Block) -> str:
 RUN_BLOCKS = _checked("run")
 
 
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.where for b in RUN_BLOCKS])
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
 def test_python_block_runs_as_pasted(block, workdir):
     assert block.lang == "python", block.where
     script = workdir / "example.py"
@@ -348,7 +363,7 @@ def test_python_block_runs_as_pasted(block, workdir):
 PYTEST_BLOCKS = _checked("pytest")
 
 
-@pytest.mark.parametrize("block", PYTEST_BLOCKS, ids=[b.where for b in PYTEST_BLOCKS])
+@pytest.mark.parametrize("block", PYTEST_BLOCKS, ids=[b.id for b in PYTEST_BLOCKS])
 def test_pytest_block_passes_as_pasted(block, workdir):
     """As the README says: the first run writes the snapshot (``--gradprobe-update``), later runs compare."""
     assert block.lang == "python", block.where
