@@ -28,6 +28,7 @@ import dataclasses
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -299,14 +300,27 @@ def workdir(tmp_path: Path) -> Path:
 def _gradprobe(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     argv = shlex.split(command)
     assert argv[0] == "gradprobe", command
-    return subprocess.run(
-        [sys.executable, "-m", "gradprobe", *argv[1:]],
+    return _run([sys.executable, "-m", "gradprobe", *argv[1:]], cwd)
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run in a session of its own: on a timeout the whole session goes (the ranks of ``--nproc`` too)."""
+    proc = subprocess.Popen(
+        argv,
         cwd=cwd,
         env=_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=TIMEOUT,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"`{shlex.join(argv)}` ran past {TIMEOUT} s:\n{out}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 OUTPUT_BLOCKS = [b for b in ALL if b.marker and OUTPUT.match(b.marker)]
@@ -349,14 +363,7 @@ def test_python_block_runs_as_pasted(block, workdir):
     assert block.lang == "python", block.where
     script = workdir / "example.py"
     script.write_text(_script(block) + "\n", encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=workdir,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _run([sys.executable, str(script)], workdir)
     assert done.returncode == 0, f"{block.where} raised:\n{done.stderr[-4000:]}"
 
 
@@ -371,12 +378,13 @@ def test_pytest_block_passes_as_pasted(block, workdir):
 
     def pytest_(*args: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_from_docs.py", *args]
-        return subprocess.run(argv, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        return _run(argv, workdir)
 
     first = pytest_("--gradprobe-update")
     assert first.returncode == 0, f"{block.where}:\n{first.stdout[-4000:]}"
-    if "gradprobe_snapshot" in block.text:
-        again = pytest_("-k", "snapshot or unchanged")
+    snapshots = re.findall(r"^def (test_\w+)\([^)]*\bgradprobe_snapshot\b", block.text, flags=re.M)
+    if snapshots:  # those tests again, now comparing with the snapshots just written
+        again = pytest_("-k", " or ".join(snapshots))
         assert again.returncode == 0, f"{block.where}, with the snapshot written:\n{again.stdout[-4000:]}"
 
 
@@ -431,7 +439,5 @@ def test_report_exit_status_is_in_the_readme_and_the_help():
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert "`gradprobe report` renders a saved flow map and exits as the run that wrote it would" in readme
     assert "**1** it holds some" in readme
-    done = subprocess.run(
-        [sys.executable, "-m", "gradprobe", "report", "--help"], env=_env(), capture_output=True, text=True
-    )
+    done = _run([sys.executable, "-m", "gradprobe", "report", "--help"], ROOT)
     assert "1 it holds error findings" in " ".join(done.stdout.split())
