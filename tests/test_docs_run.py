@@ -324,9 +324,21 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 OUTPUT_BLOCKS = [b for b in ALL if b.marker and OUTPUT.match(b.marker)]
+# Commands that compile, bisect or launch ranks: 15-20 s of CPU each, a minute on a loaded 2-core machine.
+SLOW = ("--variants", "--bug", "--nproc")
 
 
-@pytest.mark.parametrize("block", OUTPUT_BLOCKS, ids=[b.id for b in OUTPUT_BLOCKS])
+def _params(blocks: list[Block]) -> list[object]:
+    slow = [pytest.mark.slow]
+    return [
+        pytest.param(
+            b, id=b.id, marks=slow if b.marker == "pytest" or any(s in b.marker for s in SLOW) else ()
+        )
+        for b in blocks
+    ]
+
+
+@pytest.mark.parametrize("block", _params(OUTPUT_BLOCKS))
 def test_output_block_is_what_the_command_prints(block, workdir):
     kind, command, status = OUTPUT.match(block.marker).groups()
     shown_in = _command_block(block, command)
@@ -358,7 +370,7 @@ def _script(block: Block) -> str:
 RUN_BLOCKS = _checked("run")
 
 
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+@pytest.mark.parametrize("block", _params(RUN_BLOCKS))
 def test_python_block_runs_as_pasted(block, workdir):
     assert block.lang == "python", block.where
     script = workdir / "example.py"
@@ -370,7 +382,7 @@ def test_python_block_runs_as_pasted(block, workdir):
 PYTEST_BLOCKS = _checked("pytest")
 
 
-@pytest.mark.parametrize("block", PYTEST_BLOCKS, ids=[b.id for b in PYTEST_BLOCKS])
+@pytest.mark.parametrize("block", _params(PYTEST_BLOCKS))
 def test_pytest_block_passes_as_pasted(block, workdir):
     """As the README says: the first run writes the snapshot (``--gradprobe-update``), later runs compare."""
     assert block.lang == "python", block.where
