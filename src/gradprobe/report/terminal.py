@@ -1,17 +1,49 @@
-"""Plain-text rendering for the terminal: verdict and findings with the fix, the comparison table with
-its interpretation, what the counts mean, and the per-parameter diff of what differs."""
+"""The terminal report: verdict and findings with the fix, the comparison table with its
+interpretation, what the counts mean, and the per-parameter diff of what differs.
+
+One render path: the report is a sequence of rich renderables (lines of ``Text``, tables as rich
+``Table``s) printed through one ``Console``. ``render`` exports the plain text from a console without
+colour; ``styled.write_report`` prints the same renderables in colour on a terminal. Tables fit the width
+(the terminal's, ``COLUMNS``, or ``DEFAULT_WIDTH`` for plain text): a column header wraps only where a
+variant's name has a boundary (after ``:`` or ``,``, before ``[`` or ``+``), never inside a word, and a
+table too wide for that is split into several tables of fewer columns, each with its row labels.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from io import StringIO
+from typing import TYPE_CHECKING
 
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap, RunError
 from ..wording import names
 from .controls import visible
 
-LABEL_WIDTH = 23
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+# The width of the tables in plain text when none is asked for (a file, a pipe, pytest, ``render(fm)``).
+DEFAULT_WIDTH = 100
+GAP = 2  # spaces between two columns
+# Where a column header may wrap: after ':' or ',', before '[' or '+' (a variant's stages and knobs).
+_BREAKS = re.compile(r"(?<=[:,])(?=.)|(?=[\[+])")
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "cyan"}
+# Words in the details that a reader's eye should find: verdicts of checks and severities.
+HIGHLIGHTS = (
+    (r"\bFAIL\b", "bold red"),
+    (r"\bPASS\b", "bold green"),
+    (r"^\s*ERROR\b", "bold red"),
+    (r"^\s*WARNING\b", "bold yellow"),
+    (r"^\s*INFO\b", "cyan"),
+    (r"^\s*fix:", "bold cyan"),
+)
 
 
 def error_text(error: RunError) -> str:
@@ -47,19 +79,209 @@ def table_cells(fm: FlowMap, variants: Sequence[str]) -> list[list[tuple[str, bo
     return [[cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
 
 
-def summary_table(fm: FlowMap, variants: Sequence[str] | None = None) -> str:
-    """One row per scenario, one column per variant: reached/trainable (``!`` where the cell differs
-    from the reference in reach or value), or the run's error: the failing cells say so themselves."""
+def report_width(width: int | None = None) -> int | None:
+    """The width asked for: ``width``, else ``COLUMNS`` when it is set, else None (plain text: tables at
+    ``DEFAULT_WIDTH``, lines of prose as long as they are)."""
+    if width is not None:
+        return max(width, 20)
+    columns = os.environ.get("COLUMNS", "").strip()
+    return max(int(columns), 20) if columns.isdigit() and int(columns) > 0 else None
+
+
+def header_pieces(name: str) -> list[str]:
+    """A column header cut where it may wrap: ``make_fx[detach=alias]+compile:aot_eager`` is
+    ``make_fx``, ``[detach=alias]``, ``+compile:``, ``aot_eager``."""
+    return [p for p in _BREAKS.split(name) if p]
+
+
+def wrap_header(name: str, width: int) -> list[str]:
+    """``name`` in lines of at most ``width`` columns, cut only between its pieces (a piece longer than
+    the width stays whole on its own line)."""
+    from rich.cells import cell_len
+
+    lines: list[str] = []
+    for piece in header_pieces(name):
+        if lines and cell_len(lines[-1]) + cell_len(piece) <= width:
+            lines[-1] += piece
+        else:
+            lines.append(piece)
+    return lines
+
+
+@dataclass
+class Column:
+    """One column of a terminal table: its header, its cells (one per row) and their styles; a column
+    that may not ``wrap`` (the row labels) keeps its cells whole unless nothing else fits."""
+
+    header: str
+    cells: list[str]
+    header_style: str = ""
+    styles: list[str] = field(default_factory=list)
+    justify: str = "left"
+    wrap: bool = True
+
+    def span(self) -> tuple[int, int, int]:
+        """(narrowest width that cuts no word of a cell and no piece of the header, narrowest that
+        keeps every cell whole, natural width)."""
+        from rich.cells import cell_len
+
+        words = [cell_len(w) for c in self.cells for w in c.split()]
+        pieces = [cell_len(p) for p in header_pieces(self.header)]
+        cells = [cell_len(c) for c in self.cells]
+        natural = max([1, cell_len(self.header), *cells])
+        whole = max([1, *pieces, *cells])
+        return (max([1, *words, *pieces]) if self.wrap else whole), whole, natural
+
+
+def fit_widths(columns: Sequence[Column], width: int) -> list[int] | None:
+    """Content widths for ``columns`` side by side in ``width`` columns (``GAP`` between two), each at
+    least its narrowest; None when even the narrowest do not fit. The room beyond goes first to the
+    columns whose cells it keeps whole (the cheapest first), then to headers on fewer lines."""
+    spans = [c.span() for c in columns]
+    room = width - GAP * (len(columns) - 1)
+    widths = [lo for lo, _, _ in spans]
+    if sum(widths) > room:
+        return None
+    for stage in (1, 2):
+        slack = room - sum(widths)
+        wanting = sorted(
+            (spans[i][stage] - widths[i], i) for i in range(len(spans)) if widths[i] < spans[i][stage]
+        )
+        for need, i in wanting:
+            if need <= slack:
+                widths[i] += need
+                slack -= need
+        # What is left narrows the wrapping of the columns still short of their target.
+        short = [i for _, i in wanting if widths[i] < spans[i][stage]]
+        while slack > 0 and short:
+            for i in list(short):
+                if slack and widths[i] < spans[i][stage]:
+                    widths[i] += 1
+                    slack -= 1
+                else:
+                    short.remove(i)
+    return widths
+
+
+def _forced_widths(columns: Sequence[Column], width: int) -> list[int]:
+    """Widths for columns that cannot fit whole (a single word wider than the width): the widest
+    narrowed until they fit, the rest of what does not fit folded by rich."""
+    widths = [c.span()[0] for c in columns]
+    room = max(width - GAP * (len(columns) - 1), len(columns))
+    while sum(widths) > room:
+        i = widths.index(max(widths))
+        widths[i] -= min(widths[i] - 1, sum(widths) - room) or 1
+    return widths
+
+
+def tables(label: Column, columns: Sequence[Column], width: int) -> list[Table]:
+    """The row labels and ``columns`` as rich tables of at most ``width`` columns: one table when it
+    fits, else consecutive groups of columns, each beside the labels."""
+    groups: list[list[Column]] = []
+    for column in columns:
+        if groups and fit_widths([label, *groups[-1], column], width) is not None:
+            groups[-1].append(column)
+        else:
+            groups.append([column])
+    out = []
+    for group in groups or [[]]:
+        every = [label, *group]
+        out.append(_table(every, fit_widths(every, width) or _forced_widths(every, width)))
+    return out
+
+
+def _table(columns: Sequence[Column], widths: Sequence[int]) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
+    headers = [wrap_header(c.header, w) for c, w in zip(columns, widths, strict=True)]
+    height = max(len(h) for h in headers)
+    table = Table(
+        box=None,
+        show_header=height > 0,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, GAP, 0, 0),
+        header_style="",
+    )
+    for c, w, lines in zip(columns, widths, headers, strict=True):
+        # Headers of fewer lines sit on the last line, beside the others' last piece.
+        header = Text("\n".join([""] * (height - len(lines)) + lines), style=c.header_style)
+        table.add_column(header, width=w, justify=c.justify, overflow="fold")  # type: ignore[arg-type]
+    for i in range(max((len(c.cells) for c in columns), default=0)):
+        table.add_row(
+            *(
+                Text(c.cells[i] if i < len(c.cells) else "", style=c.styles[i] if i < len(c.styles) else "")
+                for c in columns
+            )
+        )
+    return table
+
+
+def summary_columns(fm: FlowMap, variants: Sequence[str] | None = None) -> tuple[Column, list[Column]]:
+    """The reach table: the scenarios' labels, and one column per variant (its failing cells and the
+    header of a column that holds one in red, the healthy cells green when there is a comparison)."""
     variants = list(variants or fm.variant_names)
-    label_width = max(LABEL_WIDTH, *(len(s) + 2 for s in fm.scenario_names))
-    columns = table_cells(fm, variants)
-    widths = [max(len(v), *(len(c[0]) for c in col)) + 3 for v, col in zip(variants, columns, strict=True)]
-    lines = [" " * label_width + "".join(v.ljust(w) for v, w in zip(variants, widths, strict=True)).rstrip()]
-    for i, s in enumerate(fm.scenario_names):
-        row = f"{s}:".ljust(label_width)
-        row += "".join(col[i][0].ljust(w) for col, w in zip(columns, widths, strict=True))
-        lines.append(row.rstrip())
-    return "\n".join(lines)
+    several = len(variants) > 1
+    labels = [visible(f"{s}:") for s in fm.scenario_names]
+    # The scenarios' labels stay on one line unless they would take more than a third of the width.
+    label = Column("", labels, styles=["bold"] * len(labels), wrap=max(map(len, labels), default=0) > 32)
+    columns = []
+    for v, col in zip(variants, table_cells(fm, variants), strict=True):
+        failing = any(bad for _, bad in col)
+        columns.append(
+            Column(
+                visible(v),
+                [visible(text) for text, _ in col],
+                header_style="bold red" if failing else "bold",
+                styles=["bold red" if bad else "green" if several else "" for _, bad in col],
+            )
+        )
+    return label, columns
+
+
+def summary_table(fm: FlowMap, variants: Sequence[str] | None = None, *, width: int | None = None) -> str:
+    """One row per scenario, one column per variant: reached/trainable (``!`` where the cell differs
+    from the reference in reach or value), or the run's error: the failing cells say so themselves.
+    Plain text of at most ``width`` (default ``DEFAULT_WIDTH``) columns."""
+    width = width or DEFAULT_WIDTH
+    console = plain_console(width)
+    for i, table in enumerate(tables(*summary_columns(fm, variants), width)):
+        if i:
+            console.print()
+        print_table(console, table)
+    return console.file.getvalue().rstrip("\n")  # type: ignore[attr-defined]
+
+
+def plain_console(width: int) -> Console:
+    """A console that writes plain text (no colour, no control sequence) of ``width`` columns to a
+    string (``console.file.getvalue()``), whatever the environment says of the terminal."""
+    from rich.console import Console
+
+    return Console(
+        file=StringIO(),
+        width=width,
+        color_system=None,
+        force_terminal=False,
+        force_jupyter=False,
+        force_interactive=False,
+        no_color=True,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        legacy_windows=False,
+        tab_size=8,
+    )
+
+
+def print_table(console: Console, table: Table) -> None:
+    """``table`` on ``console``, each line without the spaces that pad it on the right."""
+    from rich.text import Text
+
+    for line in console.render_lines(table, console.options, pad=False):
+        text = Text.assemble(*((seg.text, seg.style) for seg in line if not seg.control))
+        text.rstrip()
+        console.print(text, soft_wrap=True)
 
 
 def table_footer(fm: FlowMap) -> str:
@@ -453,21 +675,75 @@ def verdict(fm: FlowMap) -> str:
     return head + (f" ({', '.join(extra)})" if extra and not head.startswith("check") else "")
 
 
-def render(fm: FlowMap, *, show_all: bool = False) -> str:
-    """The whole terminal report: verdict and serious findings first, then the table, then details."""
+def render(fm: FlowMap, *, show_all: bool = False, width: int | None = None) -> str:
+    """The whole terminal report as plain text: verdict and serious findings first, then the table,
+    then details. Its tables fit ``width`` (else ``COLUMNS``, else ``DEFAULT_WIDTH``); lines of prose
+    wrap at ``width`` or ``COLUMNS`` when one is set, and are left whole otherwise."""
+    asked = report_width(width)
+    console = plain_console(asked or DEFAULT_WIDTH)
+    print_report(console, fm, show_all=show_all, wrap=asked is not None)
+    return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
+
+
+def print_report(console: Console, fm: FlowMap, *, show_all: bool = False, wrap: bool = True) -> None:
+    """The report's renderables on ``console`` (the one render path of the plain and the coloured
+    report): prose word-wrapped at the console's width when ``wrap``, tables fitted to it always."""
+    from rich.text import Text
+
+    def say(text: Text | str = "") -> None:
+        text = Text(text) if isinstance(text, str) else text
+        # Wrapped here, not by print: the same lines in both looks, none with a space left at its end.
+        for line in text.wrap(console, console.width) if wrap else [text]:
+            line.rstrip()
+            console.print(line, soft_wrap=True)
+
+    head = verdict(fm)
+    style = (
+        "bold red"
+        if head.startswith("PROBLEM")
+        else "bold yellow"
+        if head.startswith("check")
+        else "bold green"
+    )
+    say(Text.assemble(("gradprobe: ", "bold"), (head, style)))
+    say()
     serious = [f for f in fm.findings if f.severity != "info"]
-    out = [f"gradprobe: {verdict(fm)}", ""]
     for f in serious:
-        out.extend(finding_lines(f))
+        say(finding_text(f))
     if serious:
-        out.append("")
-    out.append(table_title(fm))
-    out.append(summary_table(fm))
+        say()
+    say(Text(visible(table_title(fm)), style="dim"))
+    for i, table in enumerate(tables(*summary_columns(fm), console.width)):
+        if i:
+            say()
+        print_table(console, table)
     footer = table_footer(fm)
     if footer:
-        out.append(footer)
-    out.extend(details_lines(fm, show_all=show_all))
-    return visible("\n".join(out) + "\n")
+        say(Text(visible(footer), style="red"))
+    details = Text(visible("\n".join(details_lines(fm, show_all=show_all))))
+    for pattern, pattern_style in HIGHLIGHTS:
+        details.highlight_regex(re.compile(pattern, re.MULTILINE), pattern_style)
+    say(details)
+
+
+def finding_text(f: Finding) -> Text:
+    """A finding's lines (``finding_lines``): the severity coloured, the cause bold, the fix cyan."""
+    from rich.text import Text
+
+    first, *rest = finding_lines(f)
+    text = Text()
+    text.append(visible(f.severity.upper()), SEVERITY_STYLE.get(f.severity, ""))
+    text.append(" ")
+    text.append(visible(f.cause), "bold")
+    text.append(visible(first[len(f.severity) + 1 + len(f.cause) :]))
+    for line in rest:
+        text.append("\n")
+        if line.startswith("  fix: "):
+            text.append("  fix: ", "bold cyan")
+            text.append(visible(line[len("  fix: ") :]))
+        else:
+            text.append(visible(line))
+    return text
 
 
 def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
