@@ -6,7 +6,14 @@ import re
 import pytest
 
 from gradprobe.flowmap import Cell, FlowMap, ParameterInfo, Run, RunError, ScenarioInfo, VariantInfo
-from gradprobe.report.terminal import DEFAULT_WIDTH, header_pieces, render, summary_table
+from gradprobe.report.terminal import render, summary_table
+
+DEFAULT_WIDTH = 100  # the tables' width in plain text when none is asked for
+
+
+def header_pieces(name: str) -> list[str]:
+    """Where a header may wrap: after ':' or ',', before '[' or '+'."""
+    return [p for p in re.split(r"(?<=[:,])(?=.)|(?=[\[+])", name) if p]
 
 
 def two_variant_map():
