@@ -133,8 +133,10 @@ def test_columns_is_honoured_and_plain_text_defaults_to_100_columns(monkeypatch)
     assert "compile:aot_eager: fails at backward: double backward" in text
     monkeypatch.setenv("COLUMNS", "64")
     narrow = render(fm)
-    assert all(len(line) <= 64 for line in narrow.splitlines()), narrow
+    assert all(len(line) <= 64 for block in table_block(narrow) for line in block), narrow
+    assert "compile:aot_eager: fails at backward: double backward" in narrow  # prose still whole
     assert_headers_whole(narrow)
+    assert summary_table(fm, width=64) in narrow
 
 
 def test_summary_table_with_several_variants():

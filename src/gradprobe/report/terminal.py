@@ -4,7 +4,7 @@ interpretation, what the counts mean, and the per-parameter diff of what differs
 One render path: the report is a sequence of rich renderables (lines of ``Text``, tables as rich
 ``Table``s) printed through one ``Console``. ``render`` exports the plain text from a console without
 colour; ``styled.write_report`` prints the same renderables in colour on a terminal. Tables fit the width
-(the terminal's, ``COLUMNS``, or ``DEFAULT_WIDTH`` for plain text): a column header wraps only where a
+(the terminal's, else ``COLUMNS``, else ``DEFAULT_WIDTH``): a column header wraps only where a
 variant's name has a boundary (after ``:`` or ``,``, before ``[`` or ``+``), never inside a word, and a
 table too wide for that is split into several tables of fewer columns, each with its row labels.
 """
@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from io import StringIO
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap, RunError
@@ -79,13 +79,12 @@ def table_cells(fm: FlowMap, variants: Sequence[str]) -> list[list[tuple[str, bo
     return [[cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
 
 
-def report_width(width: int | None = None) -> int | None:
-    """The width asked for: ``width``, else ``COLUMNS`` when it is set, else None (plain text: tables at
-    ``DEFAULT_WIDTH``, lines of prose as long as they are)."""
-    if width is not None:
-        return max(width, 20)
+def report_width(width: int | None = None) -> int:
+    """The tables' width: ``width``, else ``COLUMNS`` when it is set, else ``DEFAULT_WIDTH``."""
     columns = os.environ.get("COLUMNS", "").strip()
-    return max(int(columns), 20) if columns.isdigit() and int(columns) > 0 else None
+    if width is None and columns.isdigit() and int(columns) > 0:
+        width = int(columns)
+    return max(width or DEFAULT_WIDTH, 20)
 
 
 def header_pieces(name: str) -> list[str]:
@@ -243,8 +242,8 @@ def summary_columns(fm: FlowMap, variants: Sequence[str] | None = None) -> tuple
 def summary_table(fm: FlowMap, variants: Sequence[str] | None = None, *, width: int | None = None) -> str:
     """One row per scenario, one column per variant: reached/trainable (``!`` where the cell differs
     from the reference in reach or value), or the run's error: the failing cells say so themselves.
-    Plain text of at most ``width`` (default ``DEFAULT_WIDTH``) columns."""
-    width = width or DEFAULT_WIDTH
+    Plain text of at most ``width`` (default ``report_width()``) columns."""
+    width = report_width(width)
     console = plain_console(width)
     for i, table in enumerate(tables(*summary_columns(fm, variants), width)):
         if i:
@@ -274,14 +273,41 @@ def plain_console(width: int) -> Console:
     )
 
 
-def print_table(console: Console, table: Table) -> None:
-    """``table`` on ``console``, each line without the spaces that pad it on the right."""
+def print_table(console: Console, table: Table, *, indent: int = 0) -> None:
+    """``table`` on ``console`` after ``indent`` spaces, each line without the spaces that pad it on
+    the right."""
     from rich.text import Text
 
-    for line in console.render_lines(table, console.options, pad=False):
-        text = Text.assemble(*((seg.text, seg.style) for seg in line if not seg.control))
+    options = console.options.update_width(max(console.width - indent, 1))
+    for line in console.render_lines(table, options, pad=False):
+        text = Text.assemble(" " * indent, *((seg.text, seg.style) for seg in line if not seg.control))
         text.rstrip()
         console.print(text, soft_wrap=True)
+
+
+@dataclass
+class Indented:
+    """A table of the details: its row labels and columns, fitted to the width less ``indent``."""
+
+    label: Column
+    columns: list[Column]
+    indent: int = 2
+
+
+# A block of the details: a line of prose (plain or styled), or a table.
+Block: TypeAlias = "str | Text | Indented"
+
+
+def plain_lines(blocks: Sequence[Block], width: int) -> list[str]:
+    """``blocks`` as plain lines: prose whole, tables fitted to ``width``."""
+    console = plain_console(width)
+    for block in blocks:
+        if isinstance(block, Indented):
+            for table in tables(block.label, block.columns, width - block.indent):
+                print_table(console, table, indent=block.indent)
+        else:
+            console.print(visible(block) if isinstance(block, str) else block, soft_wrap=True)
+    return console.file.getvalue().splitlines()  # type: ignore[attr-defined,no-any-return]
 
 
 def table_footer(fm: FlowMap) -> str:
@@ -379,9 +405,26 @@ def _covered_by_others(fm: FlowMap, v: str, s: str) -> str:
 
 
 def diff_lines(
-    fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30
+    fm: FlowMap,
+    variant: str,
+    scenario: str,
+    *,
+    show_all: bool = False,
+    limit: int = 30,
+    width: int | None = None,
 ) -> list[str]:
-    """Per-parameter diff of one run against the reference: name, statuses, relative error, ``<-- DIFF``."""
+    """Per-parameter diff of one run against the reference: name, statuses, relative error, ``<-- DIFF``;
+    plain text of at most ``width`` (default ``report_width()``) columns."""
+    return plain_lines(
+        diff_blocks(fm, variant, scenario, show_all=show_all, limit=limit), report_width(width)
+    )
+
+
+def diff_blocks(
+    fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30
+) -> list[Block]:
+    """``diff_lines`` as blocks: its title, the table (parameter, the reference's status, the variant's,
+    relative error, ``<-- DIFF`` and the verdict) and what was left out."""
     ref = fm.reference
     cells = fm.cells_of(variant, scenario)
     ref_cells = fm.cells_of(ref, scenario)
@@ -393,16 +436,16 @@ def diff_lines(
     ]
     if not rows:
         return []
-    width = max(len("parameter"), *(len(r[0]) for r in rows)) + 2
-    vw = max(len(variant), 8) + 2
-    rw = max(len(ref), 8) + 2
-    out = [
-        f"{scenario}: {ref} vs {variant}",
-        f"  {'parameter'.ljust(width)}{ref.ljust(rw)}{variant.ljust(vw)}rel.err",
+    shown = rows[:limit]
+    marks = [f"<-- DIFF {ver}" if ver not in (None, "match") else "" for *_, ver in shown]
+    label = Column("parameter", [visible(r[0]) for r in shown], header_style="bold", wrap=False)
+    columns = [
+        Column(visible(ref), [visible(r[1]) for r in shown], header_style="bold"),
+        Column(visible(variant), [visible(r[2]) for r in shown], header_style="bold"),
+        Column("rel.err", [_num(r[3]) for r in shown], header_style="bold"),
+        Column("", [visible(m) for m in marks], styles=["bold red"] * len(marks)),
     ]
-    for p, rs, st, err, ver in rows[:limit]:
-        mark = f"   <-- DIFF {ver}" if ver not in (None, "match") else ""
-        out.append(f"  {p.ljust(width)}{rs.ljust(rw)}{st.ljust(vw)}{_num(err).ljust(9)}{mark}".rstrip())
+    out: list[Block] = [visible(f"{scenario}: {ref} vs {variant}"), Indented(label, columns)]
     hidden = len(rows) - limit
     if hidden > 0:
         out.append(f"  … and {hidden} more")
@@ -520,15 +563,23 @@ def trial_rows(fm: FlowMap) -> list[tuple[str, str, list[tuple[str, str, str]]]]
     return out
 
 
-def trial_lines(fm: FlowMap) -> list[str]:
-    """The trial table of each bisection: flip, result, seconds."""
-    lines = []
+def trial_lines(fm: FlowMap, *, width: int | None = None) -> list[str]:
+    """The trial table of each bisection: flip, seconds, result; plain text of at most ``width``
+    (default ``report_width()``) columns."""
+    return plain_lines(trial_blocks(fm), report_width(width))
+
+
+def trial_blocks(fm: FlowMap) -> list[Block]:
+    """``trial_lines`` as blocks: per bisection, its title and its table."""
+    out: list[Block] = []
     for variant, scenarios, rows in trial_rows(fm):
-        lines.append(f"bisect {variant}" + (f" (on {scenarios})" if scenarios else "") + ":")
-        width = max(len("flip"), *(len(r[0]) for r in rows))
-        lines.append(f"  {'flip':<{width}}  {'seconds':>7}  result")
-        lines.extend(f"  {flip:<{width}}  {sec:>7}  {result}" for flip, result, sec in rows)
-    return lines
+        out.append(visible(f"bisect {variant}" + (f" (on {scenarios})" if scenarios else "") + ":"))
+        label = Column("flip", [visible(r[0]) for r in rows], header_style="bold", wrap=False)
+        seconds = Column("seconds", [r[2] for r in rows], header_style="bold", justify="right")
+        styles = ["green" if r[1].startswith("matches: ") else "red" for r in rows]
+        result = Column("result", [visible(r[1]) for r in rows], header_style="bold", styles=styles)
+        out.append(Indented(label, [seconds, result]))
+    return out
 
 
 def _agreement(fm: FlowMap, variant: str) -> str:
@@ -678,10 +729,10 @@ def verdict(fm: FlowMap) -> str:
 def render(fm: FlowMap, *, show_all: bool = False, width: int | None = None) -> str:
     """The whole terminal report as plain text: verdict and serious findings first, then the table,
     then details. Its tables fit ``width`` (else ``COLUMNS``, else ``DEFAULT_WIDTH``); lines of prose
-    wrap at ``width`` or ``COLUMNS`` when one is set, and are left whole otherwise."""
-    asked = report_width(width)
-    console = plain_console(asked or DEFAULT_WIDTH)
-    print_report(console, fm, show_all=show_all, wrap=asked is not None)
+    wrap at ``width`` when one is given (a terminal's), and are left whole otherwise (a file, a pipe:
+    one line per statement, for grep)."""
+    console = plain_console(report_width(width))
+    print_report(console, fm, show_all=show_all, wrap=width is not None)
     return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
 
 
@@ -720,10 +771,24 @@ def print_report(console: Console, fm: FlowMap, *, show_all: bool = False, wrap:
     footer = table_footer(fm)
     if footer:
         say(Text(visible(footer), style="red"))
-    details = Text(visible("\n".join(details_lines(fm, show_all=show_all))))
-    for pattern, pattern_style in HIGHLIGHTS:
-        details.highlight_regex(re.compile(pattern, re.MULTILINE), pattern_style)
-    say(details)
+    for block in details_blocks(fm, show_all=show_all):
+        if isinstance(block, Indented):
+            for table in tables(block.label, block.columns, console.width - block.indent):
+                print_table(console, table, indent=block.indent)
+        elif isinstance(block, str):
+            say(_highlighted(visible(block)))
+        else:
+            say(block)
+
+
+def _highlighted(line: str) -> Text:
+    """A line of the details with its verdicts and severities coloured (``HIGHLIGHTS``)."""
+    from rich.text import Text
+
+    text = Text(line)
+    for pattern, style in HIGHLIGHTS:
+        text.highlight_regex(re.compile(pattern), style)
+    return text
 
 
 def finding_text(f: Finding) -> Text:
@@ -746,11 +811,17 @@ def finding_text(f: Finding) -> Text:
     return text
 
 
-def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
+def details_lines(fm: FlowMap, *, show_all: bool = False, width: int | None = None) -> list[str]:
+    """``details_blocks`` as plain lines, tables of at most ``width`` (default ``report_width()``)."""
+    return plain_lines(details_blocks(fm, show_all=show_all), report_width(width))
+
+
+def details_blocks(fm: FlowMap, *, show_all: bool = False) -> list[Block]:
     """Everything after the table: what the differences mean, what the reference does not reach, the
-    variants' build facts, the checks, the per-parameter diffs, warnings and info findings."""
+    variants' build facts, the checks, the bisections' trials, the per-parameter diffs, warnings and
+    info findings."""
     info = [f for f in fm.findings if f.severity == "info"]
-    out: list[str] = []
+    out: list[Block] = []
     interp = interpretation_lines(fm)
     if interp:
         out.append("")
@@ -768,17 +839,17 @@ def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
     if checked:
         out.extend(["", "checks:"])
         out.extend(f"  {line}" for line in checked)
-    trials = trial_lines(fm)
+    trials = trial_blocks(fm)
     if trials:
         out.append("")
         out.extend(trials)
     diffs = [
-        line
+        block
         for v in fm.variant_names
         if v != fm.reference
         for s in fm.scenario_names
-        for line in (diff_lines(fm, v, s, show_all=show_all) + [""] if fm.cells_of(v, s) else [])
-        if show_all or fm.differences(v, s)
+        if fm.cells_of(v, s) and (show_all or fm.differences(v, s))
+        for block in [*diff_blocks(fm, v, s, show_all=show_all), ""]
     ]
     if diffs:
         out.append("")
@@ -788,5 +859,5 @@ def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
     if info:
         out.append("")
         for f in info:
-            out.extend(finding_lines(f))
+            out.append(finding_text(f))
     return out
