@@ -141,9 +141,9 @@ def test_columns_is_honoured_and_plain_text_defaults_to_100_columns(monkeypatch)
 
 def test_summary_table_with_several_variants():
     assert summary_table(two_variant_map()) == (
-        "              eager  make_fx\n"
-        "energy only:  3/3    3/3\n"
-        "force only:   2/3    error: double backward unsupported"
+        "                       eager   make_fx\n"
+        "energy only:           3/3     3/3\n"
+        "force only:            2/3     error: double backward unsupported"
     )
 
 

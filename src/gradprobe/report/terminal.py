@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 # The width of the tables in plain text when none is asked for (a file, a pipe, pytest, ``render(fm)``).
 DEFAULT_WIDTH = 100
 GAP = 2  # spaces between two columns
+# The reach table where all of it fits: labels in 20 columns and 3 spaces between two columns (the
+# layout of the plain report before it was fitted to the width).
+SUMMARY_ROOMY = (20, 3)
 # Where a column header may wrap: after ':' or ',', before '[' or '+' (a variant's stages and knobs).
 _BREAKS = re.compile(r"(?<=[:,])(?=.)|(?=[\[+])")
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "cyan"}
@@ -173,9 +176,18 @@ def _forced_widths(columns: Sequence[Column], width: int) -> list[int]:
     return widths
 
 
-def tables(label: Column, columns: Sequence[Column], width: int) -> list[Table]:
+def tables(
+    label: Column, columns: Sequence[Column], width: int, *, roomy: tuple[int, int] | None = None
+) -> list[Table]:
     """The row labels and ``columns`` as rich tables of at most ``width`` columns: one table when it
-    fits, else consecutive groups of columns, each beside the labels."""
+    fits, else consecutive groups of columns, each beside the labels. With ``roomy`` = (the labels'
+    least width, the gap), the table is laid out so when all of it fits on one line per row."""
+    if roomy is not None:
+        least, gap = roomy
+        every = [label, *columns]
+        widths = [max(least, label.span()[2]), *(c.span()[2] for c in columns)]
+        if sum(widths) + gap * len(columns) <= width:
+            return [_table(every, widths, gap=gap)]
     groups: list[list[Column]] = []
     for column in columns:
         if groups and fit_widths([label, *groups[-1], column], width) is not None:
@@ -189,7 +201,7 @@ def tables(label: Column, columns: Sequence[Column], width: int) -> list[Table]:
     return out
 
 
-def _table(columns: Sequence[Column], widths: Sequence[int]) -> Table:
+def _table(columns: Sequence[Column], widths: Sequence[int], *, gap: int = GAP) -> Table:
     from rich.table import Table
     from rich.text import Text
 
@@ -200,7 +212,7 @@ def _table(columns: Sequence[Column], widths: Sequence[int]) -> Table:
         show_header=height > 0,
         show_edge=False,
         pad_edge=False,
-        padding=(0, GAP, 0, 0),
+        padding=(0, gap, 0, 0),
         header_style="",
     )
     for c, w, lines in zip(columns, widths, headers, strict=True):
@@ -245,7 +257,7 @@ def summary_table(fm: FlowMap, variants: Sequence[str] | None = None, *, width: 
     Plain text of at most ``width`` (default ``report_width()``) columns."""
     width = report_width(width)
     console = plain_console(width)
-    for i, table in enumerate(tables(*summary_columns(fm, variants), width)):
+    for i, table in enumerate(tables(*summary_columns(fm, variants), width, roomy=SUMMARY_ROOMY)):
         if i:
             console.print()
         print_table(console, table)
@@ -764,7 +776,7 @@ def print_report(console: Console, fm: FlowMap, *, show_all: bool = False, wrap:
     if serious:
         say()
     say(Text(visible(table_title(fm)), style="dim"))
-    for i, table in enumerate(tables(*summary_columns(fm), console.width)):
+    for i, table in enumerate(tables(*summary_columns(fm), console.width, roomy=SUMMARY_ROOMY)):
         if i:
             say()
         print_table(console, table)
