@@ -113,7 +113,8 @@ def wrap_header(name: str, width: int) -> list[str]:
 @dataclass
 class Column:
     """One column of a terminal table: its header, its cells (one per row) and their styles; a column
-    that may not ``wrap`` (the row labels) keeps its cells whole unless nothing else fits."""
+    that may not ``wrap`` (the row labels) keeps its cells whole unless nothing else fits; ``least``:
+    the width it takes when there is room, however narrow its cells."""
 
     header: str
     cells: list[str]
@@ -121,6 +122,7 @@ class Column:
     styles: list[str] = field(default_factory=list)
     justify: str = "left"
     wrap: bool = True
+    least: int = 1
 
     def span(self) -> tuple[int, int, int]:
         """(narrowest width that cuts no word of a cell and no piece of the header, narrowest that
@@ -130,7 +132,7 @@ class Column:
         words = [cell_len(w) for c in self.cells for w in c.split()]
         pieces = [cell_len(p) for p in header_pieces(self.header)]
         cells = [cell_len(c) for c in self.cells]
-        natural = max([1, cell_len(self.header), *cells])
+        natural = max([self.least, cell_len(self.header), *cells])
         whole = max([1, *pieces, *cells])
         return (max([1, *words, *pieces]) if self.wrap else whole), whole, natural
 
@@ -451,10 +453,10 @@ def diff_blocks(
     shown = rows[:limit]
     marks = [f"<-- DIFF {ver}" if ver not in (None, "match") else "" for *_, ver in shown]
     label = Column("parameter", [visible(r[0]) for r in shown], header_style="bold", wrap=False)
-    columns = [
-        Column(visible(ref), [visible(r[1]) for r in shown], header_style="bold"),
-        Column(visible(variant), [visible(r[2]) for r in shown], header_style="bold"),
-        Column("rel.err", [_num(r[3]) for r in shown], header_style="bold"),
+    columns = [  # where there is room: statuses in 8 columns, the mark 12 after the error's start
+        Column(visible(ref), [visible(r[1]) for r in shown], header_style="bold", least=8),
+        Column(visible(variant), [visible(r[2]) for r in shown], header_style="bold", least=8),
+        Column("rel.err", [_num(r[3]) for r in shown], header_style="bold", least=10),
         Column("", [visible(m) for m in marks], styles=["bold red"] * len(marks)),
     ]
     out: list[Block] = [visible(f"{scenario}: {ref} vs {variant}"), Indented(label, columns)]
@@ -615,9 +617,20 @@ def _agreement(fm: FlowMap, variant: str) -> str:
 
 
 def check_lines(fm: FlowMap) -> list[str]:
-    """One line per verification check that ran (consistency, physics, shape sweep, training)."""
+    """One line per verification check that ran (consistency, physics, shape sweep, balance, training),
+    the balance table's lines as plain text of ``DEFAULT_WIDTH`` columns."""
+    return [
+        line
+        for block in check_blocks(fm)
+        for line in (plain_lines([block], DEFAULT_WIDTH) if isinstance(block, Indented) else [str(block)])
+    ]
+
+
+def check_blocks(fm: FlowMap) -> list[str | Indented]:
+    """``check_lines`` as blocks: its lines, and the balance check's table (each group's share of the
+    gradient norm, by term) as a table."""
     checks = fm.checks
-    lines = []
+    lines: list[str | Indented] = []
     c = checks.get("consistency")
     if c:
         parts = []
@@ -687,17 +700,18 @@ def check_lines(fm: FlowMap) -> list[str]:
     b = checks.get("balance")
     if b and not b.get("error"):
         groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
-        width = max(len("term"), *(len(t) for t in b["shares"])) + 2
-        cols = [max(len(g), 7) + 2 for g in groups]
         lines.append("balance: share of each group's gradient norm, by term (at the step's prefactors):")
-        lines.append(
-            "  " + "term".ljust(width) + "".join(g.ljust(w) for g, w in zip(groups, cols, strict=True))
-        )
-        for term, shares in b["shares"].items():
-            cells = [f"{shares[g]:.1%}" if b["norms"][term][g] > 0 else "-" for g in groups]
-            lines.append(
-                "  " + term.ljust(width) + "".join(c.ljust(w) for c, w in zip(cells, cols, strict=True))
+        shares = b["shares"]
+        label = Column("term", [visible(t) for t in shares], wrap=False)
+        columns = [
+            Column(
+                visible(g),
+                [f"{shares[t][g]:.1%}" if b["norms"][t][g] > 0 else "-" for t in shares],
+                least=7,
             )
+            for g in groups
+        ]
+        lines.append(Indented(label, columns))
         update = (b.get("effective_update") or {}).get("terms") or {}
         if update:
             lines.append(
@@ -845,12 +859,15 @@ def details_blocks(fm: FlowMap, *, show_all: bool = False) -> list[Block]:
         out.append("")
         out.extend(facts)
     try:
-        checked = check_lines(fm)
+        checked = check_blocks(fm)
     except (KeyError, TypeError, AttributeError, ValueError):  # a saved map with checks of another shape
         checked = ["(the checks section of this flow map could not be read)"]
     if checked:
         out.extend(["", "checks:"])
-        out.extend(f"  {line}" for line in checked)
+        out.extend(
+            Indented(b.label, b.columns, b.indent + 2) if isinstance(b, Indented) else f"  {b}"
+            for b in checked
+        )
     trials = trial_blocks(fm)
     if trials:
         out.append("")
