@@ -38,15 +38,6 @@ SUMMARY_ROOMY = (20, 3)
 # Where a column header may wrap: after ':' or ',', before '[' or '+' (a variant's stages and knobs).
 _BREAKS = re.compile(r"(?<=[:,])(?=.)|(?=[\[+])")
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "cyan"}
-# Words in the details that a reader's eye should find: verdicts of checks and severities.
-HIGHLIGHTS = (
-    (r"\bFAIL\b", "bold red"),
-    (r"\bPASS\b", "bold green"),
-    (r"^\s*ERROR\b", "bold red"),
-    (r"^\s*WARNING\b", "bold yellow"),
-    (r"^\s*INFO\b", "cyan"),
-    (r"^\s*fix:", "bold cyan"),
-)
 
 
 def error_text(error: RunError) -> str:
@@ -616,6 +607,17 @@ def _agreement(fm: FlowMap, variant: str) -> str:
     return f"matches {fm.reference} on all {len(cells)} cells{worst}{tail}"
 
 
+PASS = ("PASS", "bold green")
+FAIL = ("FAIL", "bold red")
+
+
+def _assemble(*parts: str | tuple[str, str]) -> Text:
+    """A line of ``parts``, each a string or (string, style), control characters made visible."""
+    from rich.text import Text
+
+    return Text.assemble(*((visible(p[0]), p[1]) if isinstance(p, tuple) else visible(p) for p in parts))
+
+
 def check_lines(fm: FlowMap) -> list[str]:
     """One line per verification check that ran (consistency, physics, shape sweep, balance, training),
     the balance table's lines as plain text of ``DEFAULT_WIDTH`` columns."""
@@ -626,17 +628,17 @@ def check_lines(fm: FlowMap) -> list[str]:
     ]
 
 
-def check_blocks(fm: FlowMap) -> list[str | Indented]:
+def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
     """``check_lines`` as blocks: its lines, and the balance check's table (each group's share of the
     gradient norm, by term) as a table."""
     checks = fm.checks
-    lines: list[str | Indented] = []
+    lines: list[str | Text | Indented] = []
     c = checks.get("consistency")
     if c:
         parts = []
         for v, r in c["variants"].items():
             if r["passed"]:
-                parts.append(f"{v}: PASS ({r['checked_cells']} cells)")
+                parts.append(_assemble(f"{v}: ", PASS, f" ({r['checked_cells']} cells)"))
             else:
                 worst = r["worst"][0] if r["worst"] else None
                 error = worst.get("rel_error") if worst else None
@@ -648,14 +650,17 @@ def check_blocks(fm: FlowMap) -> list[str | Indented]:
                 )
                 failed = f"{r['failed_cells']}/{r['checked_cells']} cells" if r["checked_cells"] else "no run"
                 terms = f", {len(r['terms'])} term value(s)" if r["terms"] else ""
-                parts.append(f"{v}: FAIL {failed}{terms}{detail}")
+                parts.append(_assemble(f"{v}: ", FAIL, f" {failed}{terms}{detail}"))
         # The same measure as the table's '!' (relative L1 error per parameter, the run's noise floor),
         # at a tighter rtol: a cell the table marks fails here too.
         rtol = c.get("rtol")
         table = f", the table's '!' at {fm.rtol:g}" if fm.rtol is not None else ""
         lines.append(
-            f"consistency vs {fm.reference} (relative L1 error per parameter <= {rtol:g}{table}, above the "
-            "noise floor): " + "; ".join(parts)
+            _assemble(
+                f"consistency vs {fm.reference} (relative L1 error per parameter <= {rtol:g}{table}, above "
+                "the noise floor): "
+            )
+            + _assemble("; ").join(parts)
         )
     for name in ("physics", "balance", "training"):  # a check that raised: its error, nothing else
         result = checks.get(name)
@@ -663,7 +668,7 @@ def check_blocks(fm: FlowMap) -> list[str | Indented]:
             lines.append(f"{name}: could not run — {result['error']}")
     p = checks.get("physics")
     if p and not p.get("error"):
-        head = "PASS" if p["passed"] else "FAIL"
+        head = PASS if p["passed"] else FAIL
         parts = [
             f"force vs -dE/dx {p['force']['max_rel_error']:.2g}",
             f"sum rule {p['sum_rule']['relative']:.2g}",
@@ -671,7 +676,11 @@ def check_blocks(fm: FlowMap) -> list[str | Indented]:
         if "virial" in p:
             parts.append(f"virial vs strain {p['virial']['max_rel_error']:.2g}")
         lines.append(
-            f"physics ({p['samples']} finite-difference samples, float64): {head} — " + ", ".join(parts)
+            _assemble(
+                f"physics ({p['samples']} finite-difference samples, float64): ",
+                head,
+                " — " + ", ".join(parts),
+            )
         )
         lines.extend(f"  {failure}" for failure in p["failures"])
     for v, r in (checks.get("physics_paths") or {}).items():
@@ -689,7 +698,9 @@ def check_blocks(fm: FlowMap) -> list[str | Indented]:
                 "outputs vs the reference's " + ", ".join(f"{k} {e:.2g}" for k, e in r["outputs"].items())
             )
         lines.append(
-            f"physics, {v} (its own forces): {'PASS' if r['passed'] else 'FAIL'} — " + ", ".join(parts)
+            _assemble(
+                f"physics, {v} (its own forces): ", PASS if r["passed"] else FAIL, " — " + ", ".join(parts)
+            )
         )
         lines.extend(f"  {failure}" for failure in r["failures"])
     for v, entry in (checks.get("shape_sweep") or {}).items():
@@ -801,20 +812,8 @@ def print_report(console: Console, fm: FlowMap, *, show_all: bool = False, wrap:
         if isinstance(block, Indented):
             for table in tables(block.label, block.columns, console.width - block.indent):
                 print_table(console, table, indent=block.indent)
-        elif isinstance(block, str):
-            say(_highlighted(visible(block)))
         else:
-            say(block)
-
-
-def _highlighted(line: str) -> Text:
-    """A line of the details with its verdicts and severities coloured (``HIGHLIGHTS``)."""
-    from rich.text import Text
-
-    text = Text(line)
-    for pattern, style in HIGHLIGHTS:
-        text.highlight_regex(re.compile(pattern), style)
-    return text
+            say(Text(visible(block)) if isinstance(block, str) else block)
 
 
 def finding_text(f: Finding) -> Text:
@@ -865,7 +864,11 @@ def details_blocks(fm: FlowMap, *, show_all: bool = False) -> list[Block]:
     if checked:
         out.extend(["", "checks:"])
         out.extend(
-            Indented(b.label, b.columns, b.indent + 2) if isinstance(b, Indented) else f"  {b}"
+            Indented(b.label, b.columns, b.indent + 2)
+            if isinstance(b, Indented)
+            else f"  {b}"
+            if isinstance(b, str)
+            else _assemble("  ") + b
             for b in checked
         )
     trials = trial_blocks(fm)
@@ -884,7 +887,7 @@ def details_blocks(fm: FlowMap, *, show_all: bool = False) -> list[Block]:
         out.append("")
         out.extend(diffs[:-1])
     for w in fm.warnings:
-        out.extend(["", f"WARNING {w}"])
+        out.extend(["", _assemble(("WARNING", SEVERITY_STYLE["warning"]), f" {w}")])
     if info:
         out.append("")
         for f in info:
