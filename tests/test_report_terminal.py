@@ -157,3 +157,28 @@ def test_render_explains_unreached_with_notes():
     text = render(two_variant_map())
     assert "force only: 1 not reached: c.w (head used by energy only)" in text
     assert text.startswith("gradprobe: OK: no problem found")
+
+
+def test_the_trial_table_fits_the_width_too():
+    import msgspec
+
+    long = "does not match yet: 8 reached, differs from the reference (wrong: a.w, a.b; missing: c.w) " * 2
+    trials = [
+        {
+            "change": "detach=keep → alias",
+            "ok": True,
+            "result": "force only: 10 reached, matches",
+            "seconds": 2.9,
+        },
+        {"change": "mode=train → eval", "ok": False, "result": long.strip(), "seconds": 2.66},
+    ]
+    fm = msgspec.structs.replace(
+        many_variant_map(), bisections=[{"variant": "make_fx", "scenarios": ["force only"], "trials": trials}]
+    )
+    for width in (80, 120):
+        text = render(fm, width=width)
+        assert all(len(line) <= width for line in text.splitlines()), text
+        assert "bisect make_fx (on force only):" in text
+        assert "  flip                 seconds  result" in text
+        assert "  mode=train → eval       2.66  does not match" in text  # flips whole, seconds right-aligned
+    assert "  detach=keep → alias     2.90  matches: force only: 10 reached, matches" in render(fm)
