@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+import gradprobe
+
 pytest.importorskip("torchmdnet")
 
 from examples_loader import load_example
@@ -73,6 +75,17 @@ def test_the_eager_backend_returns_forces_with_no_gradient_path(probed) -> None:
     assert probed.run(v, "energy only").error is None and not probed.differences(v, "energy only")
     assert len(probed.differences(v, "all")) >= 40
     assert {"run-failed", "flow-mismatch"} <= set(errors(probed))
+
+
+def test_no_finding_guesses_eval_mode_or_advises_the_refuted_eager_backend(probed) -> None:  # type: ignore[no-untyped-def]
+    # Issue 32's false statements 1 and 3, on the package: the model is in train mode, and the eager
+    # backend was just measured dropping every force gradient, so it is never advice for the double backward.
+    text = " ".join(f"{f.message} {f.fix}" for f in probed.findings)
+    assert "eval mode" not in text, text
+    fix = finding(probed, "double-backward-unsupported").fix
+    suggests = any(s in fix for s in ("backend='eager'", 'backend="eager"', "compile_model:eager"))
+    assert not suggests or "refuted" in fix, fix
+    assert gradprobe.claims.audit(probed) == []
 
 
 @pytest.mark.xfail(

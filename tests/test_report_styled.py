@@ -1,5 +1,5 @@
 """The styled terminal report: rich on a terminal (colours, the failing cells and columns in red, the
-width respected), ``render(fm)`` byte for byte when piped."""
+width respected), ``render(fm)`` byte for byte when piped, the same text as the coloured one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 import re
 
 import pytest
-from test_report_terminal import two_variant_map
+from test_report_terminal import assert_headers_whole, many_variant_map, two_variant_map
 
 from gradprobe.report.styled import write_report
 from gradprobe.report.terminal import render
@@ -57,4 +57,25 @@ def test_no_color_gives_the_plain_report(terminal_env, monkeypatch) -> None:  # 
     fm = two_variant_map()
     out = Terminal()
     write_report(fm, out)
-    assert out.getvalue() == render(fm)
+    assert out.getvalue() == render(fm, width=72)  # at the terminal's width (its COLUMNS)
+
+
+@pytest.mark.parametrize("width", ["80", "120"])
+def test_on_a_terminal_tables_fit_and_headers_break_only_between_stages(
+    terminal_env, monkeypatch, width
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("COLUMNS", width)
+    out = Terminal()
+    write_report(many_variant_map(), out)
+    plain = ANSI.sub("", out.getvalue())
+    assert all(len(line) <= int(width) for line in plain.splitlines()), plain
+    assert_headers_whole(plain)
+
+
+@pytest.mark.parametrize("fm", [two_variant_map(), many_variant_map()], ids=["two", "many"])
+def test_the_coloured_report_carries_the_plain_reports_text(terminal_env, fm) -> None:  # type: ignore[no-untyped-def]
+    out = Terminal()
+    write_report(fm, out)
+    styled = out.getvalue()
+    assert "\x1b[" in styled
+    assert ANSI.sub("", styled) == render(fm, width=72)  # the terminal_env's COLUMNS

@@ -1,17 +1,43 @@
-"""Plain-text rendering for the terminal: verdict and findings with the fix, the comparison table with
-its interpretation, what the counts mean, and the per-parameter diff of what differs."""
+"""The terminal report: verdict and findings with the fix, the comparison table with its
+interpretation, what the counts mean, and the per-parameter diff of what differs.
+
+One render path: the report is a sequence of rich renderables (lines of ``Text``, tables as rich
+``Table``s) printed through one ``Console``. ``render`` exports the plain text from a console without
+colour; ``styled.write_report`` prints the same renderables in colour on a terminal. Tables fit the width
+(the terminal's, else ``COLUMNS``, else ``DEFAULT_WIDTH``): a column header wraps only where a
+variant's name has a boundary (after ``:`` or ``,``, before ``[`` or ``+``), never inside a word, and a
+table too wide for that is split into several tables of fewer columns, each with its row labels.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from io import StringIO
+from typing import TYPE_CHECKING, TypeAlias
 
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap, RunError
 from ..wording import names
 from .controls import visible
 
-LABEL_WIDTH = 23
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+# The width of the tables in plain text when none is asked for (a file, a pipe, pytest, ``render(fm)``).
+DEFAULT_WIDTH = 100
+GAP = 2  # spaces between two columns
+# The reach table where all of it fits: labels in 20 columns and 3 spaces between two columns (the
+# layout of the plain report before it was fitted to the width).
+SUMMARY_ROOMY = (20, 3)
+# Where a column header may wrap: after ':' or ',', before '[' or '+' (a variant's stages and knobs).
+_BREAKS = re.compile(r"(?<=[:,])(?=.)|(?=[\[+])")
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "cyan"}
 
 
 def error_text(error: RunError) -> str:
@@ -47,19 +73,246 @@ def table_cells(fm: FlowMap, variants: Sequence[str]) -> list[list[tuple[str, bo
     return [[cell_text(fm, v, s) for s in fm.scenario_names] for v in variants]
 
 
-def summary_table(fm: FlowMap, variants: Sequence[str] | None = None) -> str:
-    """One row per scenario, one column per variant: reached/trainable (``!`` where the cell differs
-    from the reference in reach or value), or the run's error: the failing cells say so themselves."""
+def report_width(width: int | None = None) -> int:
+    """The tables' width: ``width``, else ``COLUMNS`` when it is set, else ``DEFAULT_WIDTH``."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if width is None and columns.isdigit() and int(columns) > 0:
+        width = int(columns)
+    return max(width or DEFAULT_WIDTH, 20)
+
+
+def header_pieces(name: str) -> list[str]:
+    """A column header cut where it may wrap: ``make_fx[detach=alias]+compile:aot_eager`` is
+    ``make_fx``, ``[detach=alias]``, ``+compile:``, ``aot_eager``."""
+    return [p for p in _BREAKS.split(name) if p]
+
+
+def wrap_header(name: str, width: int) -> list[str]:
+    """``name`` in lines of at most ``width`` columns, cut only between its pieces (a piece longer than
+    the width stays whole on its own line)."""
+    from rich.cells import cell_len
+
+    lines: list[str] = []
+    for piece in header_pieces(name):
+        if lines and cell_len(lines[-1]) + cell_len(piece) <= width:
+            lines[-1] += piece
+        else:
+            lines.append(piece)
+    return lines
+
+
+@dataclass
+class Column:
+    """One column of a terminal table: its header, its cells (one per row) and their styles; a column
+    that may not ``wrap`` (the row labels) keeps its cells whole unless nothing else fits; ``least``:
+    the width it takes when there is room, however narrow its cells."""
+
+    header: str
+    cells: list[str]
+    header_style: str = ""
+    styles: list[str] = field(default_factory=list)
+    justify: str = "left"
+    wrap: bool = True
+    least: int = 1
+
+    def span(self) -> tuple[int, int, int]:
+        """(narrowest width that cuts no word of a cell and no piece of the header, narrowest that
+        keeps every cell whole, natural width)."""
+        from rich.cells import cell_len
+
+        words = [cell_len(w) for c in self.cells for w in c.split()]
+        pieces = [cell_len(p) for p in header_pieces(self.header)]
+        cells = [cell_len(c) for c in self.cells]
+        natural = max([self.least, cell_len(self.header), *cells])
+        whole = max([1, *pieces, *cells])
+        return (max([1, *words, *pieces]) if self.wrap else whole), whole, natural
+
+
+def fit_widths(columns: Sequence[Column], width: int) -> list[int] | None:
+    """Content widths for ``columns`` side by side in ``width`` columns (``GAP`` between two), each at
+    least its narrowest; None when even the narrowest do not fit. The room beyond goes first to the
+    columns whose cells it keeps whole (the cheapest first), then to headers on fewer lines."""
+    spans = [c.span() for c in columns]
+    room = width - GAP * (len(columns) - 1)
+    widths = [lo for lo, _, _ in spans]
+    if sum(widths) > room:
+        return None
+    for stage in (1, 2):
+        slack = room - sum(widths)
+        wanting = sorted(
+            (spans[i][stage] - widths[i], i) for i in range(len(spans)) if widths[i] < spans[i][stage]
+        )
+        for need, i in wanting:
+            if need <= slack:
+                widths[i] += need
+                slack -= need
+        # What is left narrows the wrapping of the columns still short of their target.
+        short = [i for _, i in wanting if widths[i] < spans[i][stage]]
+        while slack > 0 and short:
+            for i in list(short):
+                if slack and widths[i] < spans[i][stage]:
+                    widths[i] += 1
+                    slack -= 1
+                else:
+                    short.remove(i)
+    return widths
+
+
+def _forced_widths(columns: Sequence[Column], width: int) -> list[int]:
+    """Widths for columns that cannot fit whole (a single word wider than the width): the widest
+    narrowed until they fit, the rest of what does not fit folded by rich."""
+    widths = [c.span()[0] for c in columns]
+    room = max(width - GAP * (len(columns) - 1), len(columns))
+    while sum(widths) > room:
+        i = widths.index(max(widths))
+        widths[i] -= min(widths[i] - 1, sum(widths) - room) or 1
+    return widths
+
+
+def tables(
+    label: Column, columns: Sequence[Column], width: int, *, roomy: tuple[int, int] | None = None
+) -> list[Table]:
+    """The row labels and ``columns`` as rich tables of at most ``width`` columns: one table when it
+    fits, else consecutive groups of columns, each beside the labels. With ``roomy`` = (the labels'
+    least width, the gap), the table is laid out so when all of it fits on one line per row."""
+    if roomy is not None:
+        least, gap = roomy
+        every = [label, *columns]
+        widths = [max(least, label.span()[2]), *(c.span()[2] for c in columns)]
+        if sum(widths) + gap * len(columns) <= width:
+            return [_table(every, widths, gap=gap)]
+    groups: list[list[Column]] = []
+    for column in columns:
+        if groups and fit_widths([label, *groups[-1], column], width) is not None:
+            groups[-1].append(column)
+        else:
+            groups.append([column])
+    out = []
+    for group in groups or [[]]:
+        every = [label, *group]
+        out.append(_table(every, fit_widths(every, width) or _forced_widths(every, width)))
+    return out
+
+
+def _table(columns: Sequence[Column], widths: Sequence[int], *, gap: int = GAP) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
+    headers = [wrap_header(c.header, w) for c, w in zip(columns, widths, strict=True)]
+    height = max(len(h) for h in headers)
+    table = Table(
+        box=None,
+        show_header=height > 0,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, gap, 0, 0),
+        header_style="",
+    )
+    for c, w, lines in zip(columns, widths, headers, strict=True):
+        # Headers of fewer lines sit on the last line, beside the others' last piece.
+        header = Text("\n".join([""] * (height - len(lines)) + lines), style=c.header_style)
+        table.add_column(header, width=w, justify=c.justify, overflow="fold")  # type: ignore[arg-type]
+    for i in range(max((len(c.cells) for c in columns), default=0)):
+        table.add_row(
+            *(
+                Text(c.cells[i] if i < len(c.cells) else "", style=c.styles[i] if i < len(c.styles) else "")
+                for c in columns
+            )
+        )
+    return table
+
+
+def summary_columns(fm: FlowMap, variants: Sequence[str] | None = None) -> tuple[Column, list[Column]]:
+    """The reach table: the scenarios' labels, and one column per variant (its failing cells and the
+    header of a column that holds one in red, the healthy cells green when there is a comparison)."""
     variants = list(variants or fm.variant_names)
-    label_width = max(LABEL_WIDTH, *(len(s) + 2 for s in fm.scenario_names))
-    columns = table_cells(fm, variants)
-    widths = [max(len(v), *(len(c[0]) for c in col)) + 3 for v, col in zip(variants, columns, strict=True)]
-    lines = [" " * label_width + "".join(v.ljust(w) for v, w in zip(variants, widths, strict=True)).rstrip()]
-    for i, s in enumerate(fm.scenario_names):
-        row = f"{s}:".ljust(label_width)
-        row += "".join(col[i][0].ljust(w) for col, w in zip(columns, widths, strict=True))
-        lines.append(row.rstrip())
-    return "\n".join(lines)
+    several = len(variants) > 1
+    labels = [visible(f"{s}:") for s in fm.scenario_names]
+    # The scenarios' labels stay on one line unless they would take more than a third of the width.
+    label = Column("", labels, styles=["bold"] * len(labels), wrap=max(map(len, labels), default=0) > 32)
+    columns = []
+    for v, col in zip(variants, table_cells(fm, variants), strict=True):
+        failing = any(bad for _, bad in col)
+        columns.append(
+            Column(
+                visible(v),
+                [visible(text) for text, _ in col],
+                header_style="bold red" if failing else "bold",
+                styles=["bold red" if bad else "green" if several else "" for _, bad in col],
+            )
+        )
+    return label, columns
+
+
+def summary_table(fm: FlowMap, variants: Sequence[str] | None = None, *, width: int | None = None) -> str:
+    """One row per scenario, one column per variant: reached/trainable (``!`` where the cell differs
+    from the reference in reach or value), or the run's error: the failing cells say so themselves.
+    Plain text of at most ``width`` (default ``report_width()``) columns."""
+    width = report_width(width)
+    console = plain_console(width)
+    for i, table in enumerate(tables(*summary_columns(fm, variants), width, roomy=SUMMARY_ROOMY)):
+        if i:
+            console.print()
+        print_table(console, table)
+    return console.file.getvalue().rstrip("\n")  # type: ignore[attr-defined]
+
+
+def plain_console(width: int) -> Console:
+    """A console that writes plain text (no colour, no control sequence) of ``width`` columns to a
+    string (``console.file.getvalue()``), whatever the environment says of the terminal."""
+    from rich.console import Console
+
+    return Console(
+        file=StringIO(),
+        width=width,
+        color_system=None,
+        force_terminal=False,
+        force_jupyter=False,
+        force_interactive=False,
+        no_color=True,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        legacy_windows=False,
+        tab_size=8,
+    )
+
+
+def print_table(console: Console, table: Table, *, indent: int = 0) -> None:
+    """``table`` on ``console`` after ``indent`` spaces, each line without the spaces that pad it on
+    the right."""
+    from rich.text import Text
+
+    options = console.options.update_width(max(console.width - indent, 1))
+    for line in console.render_lines(table, options, pad=False):
+        text = Text.assemble(" " * indent, *((seg.text, seg.style) for seg in line if not seg.control))
+        text.rstrip()
+        console.print(text, soft_wrap=True)
+
+
+@dataclass
+class Indented:
+    """A table of the details: its row labels and columns, fitted to the width less ``indent``."""
+
+    label: Column
+    columns: list[Column]
+    indent: int = 2
+
+
+# A block of the details: a line of prose (plain or styled), or a table.
+Block: TypeAlias = "str | Text | Indented"
+
+
+def plain_lines(blocks: Sequence[Block], width: int) -> list[str]:
+    """``blocks`` as plain lines: prose whole, tables fitted to ``width``."""
+    console = plain_console(width)
+    for block in blocks:
+        if isinstance(block, Indented):
+            for table in tables(block.label, block.columns, width - block.indent):
+                print_table(console, table, indent=block.indent)
+        else:
+            console.print(visible(block) if isinstance(block, str) else block, soft_wrap=True)
+    return console.file.getvalue().splitlines()  # type: ignore[attr-defined,no-any-return]
 
 
 def table_footer(fm: FlowMap) -> str:
@@ -157,9 +410,26 @@ def _covered_by_others(fm: FlowMap, v: str, s: str) -> str:
 
 
 def diff_lines(
-    fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30
+    fm: FlowMap,
+    variant: str,
+    scenario: str,
+    *,
+    show_all: bool = False,
+    limit: int = 30,
+    width: int | None = None,
 ) -> list[str]:
-    """Per-parameter diff of one run against the reference: name, statuses, relative error, ``<-- DIFF``."""
+    """Per-parameter diff of one run against the reference: name, statuses, relative error, ``<-- DIFF``;
+    plain text of at most ``width`` (default ``report_width()``) columns."""
+    return plain_lines(
+        diff_blocks(fm, variant, scenario, show_all=show_all, limit=limit), report_width(width)
+    )
+
+
+def diff_blocks(
+    fm: FlowMap, variant: str, scenario: str, *, show_all: bool = False, limit: int = 30
+) -> list[Block]:
+    """``diff_lines`` as blocks: its title, the table (parameter, the reference's status, the variant's,
+    relative error, ``<-- DIFF`` and the verdict) and what was left out."""
     ref = fm.reference
     cells = fm.cells_of(variant, scenario)
     ref_cells = fm.cells_of(ref, scenario)
@@ -171,16 +441,16 @@ def diff_lines(
     ]
     if not rows:
         return []
-    width = max(len("parameter"), *(len(r[0]) for r in rows)) + 2
-    vw = max(len(variant), 8) + 2
-    rw = max(len(ref), 8) + 2
-    out = [
-        f"{scenario}: {ref} vs {variant}",
-        f"  {'parameter'.ljust(width)}{ref.ljust(rw)}{variant.ljust(vw)}rel.err",
+    shown = rows[:limit]
+    marks = [f"<-- DIFF {ver}" if ver not in (None, "match") else "" for *_, ver in shown]
+    label = Column("parameter", [visible(r[0]) for r in shown], header_style="bold", wrap=False)
+    columns = [  # where there is room: statuses in 8 columns, the mark 12 after the error's start
+        Column(visible(ref), [visible(r[1]) for r in shown], header_style="bold", least=8),
+        Column(visible(variant), [visible(r[2]) for r in shown], header_style="bold", least=8),
+        Column("rel.err", [_num(r[3]) for r in shown], header_style="bold", least=10),
+        Column("", [visible(m) for m in marks], styles=["bold red"] * len(marks)),
     ]
-    for p, rs, st, err, ver in rows[:limit]:
-        mark = f"   <-- DIFF {ver}" if ver not in (None, "match") else ""
-        out.append(f"  {p.ljust(width)}{rs.ljust(rw)}{st.ljust(vw)}{_num(err).ljust(9)}{mark}".rstrip())
+    out: list[Block] = [visible(f"{scenario}: {ref} vs {variant}"), Indented(label, columns)]
     hidden = len(rows) - limit
     if hidden > 0:
         out.append(f"  … and {hidden} more")
@@ -298,15 +568,23 @@ def trial_rows(fm: FlowMap) -> list[tuple[str, str, list[tuple[str, str, str]]]]
     return out
 
 
-def trial_lines(fm: FlowMap) -> list[str]:
-    """The trial table of each bisection: flip, result, seconds."""
-    lines = []
+def trial_lines(fm: FlowMap, *, width: int | None = None) -> list[str]:
+    """The trial table of each bisection: flip, seconds, result; plain text of at most ``width``
+    (default ``report_width()``) columns."""
+    return plain_lines(trial_blocks(fm), report_width(width))
+
+
+def trial_blocks(fm: FlowMap) -> list[Block]:
+    """``trial_lines`` as blocks: per bisection, its title and its table."""
+    out: list[Block] = []
     for variant, scenarios, rows in trial_rows(fm):
-        lines.append(f"bisect {variant}" + (f" (on {scenarios})" if scenarios else "") + ":")
-        width = max(len("flip"), *(len(r[0]) for r in rows))
-        lines.append(f"  {'flip':<{width}}  {'seconds':>7}  result")
-        lines.extend(f"  {flip:<{width}}  {sec:>7}  {result}" for flip, result, sec in rows)
-    return lines
+        out.append(visible(f"bisect {variant}" + (f" (on {scenarios})" if scenarios else "") + ":"))
+        label = Column("flip", [visible(r[0]) for r in rows], header_style="bold", wrap=False)
+        seconds = Column("seconds", [r[2] for r in rows], header_style="bold", justify="right")
+        styles = ["green" if r[1].startswith("matches: ") else "red" for r in rows]
+        result = Column("result", [visible(r[1]) for r in rows], header_style="bold", styles=styles)
+        out.append(Indented(label, [seconds, result]))
+    return out
 
 
 def _agreement(fm: FlowMap, variant: str) -> str:
@@ -329,16 +607,38 @@ def _agreement(fm: FlowMap, variant: str) -> str:
     return f"matches {fm.reference} on all {len(cells)} cells{worst}{tail}"
 
 
+PASS = ("PASS", "bold green")
+FAIL = ("FAIL", "bold red")
+
+
+def _assemble(*parts: str | tuple[str, str]) -> Text:
+    """A line of ``parts``, each a string or (string, style), control characters made visible."""
+    from rich.text import Text
+
+    return Text.assemble(*((visible(p[0]), p[1]) if isinstance(p, tuple) else visible(p) for p in parts))
+
+
 def check_lines(fm: FlowMap) -> list[str]:
-    """One line per verification check that ran (consistency, physics, shape sweep, training)."""
+    """One line per verification check that ran (consistency, physics, shape sweep, balance, training),
+    the balance table's lines as plain text of ``DEFAULT_WIDTH`` columns."""
+    return [
+        line
+        for block in check_blocks(fm)
+        for line in (plain_lines([block], DEFAULT_WIDTH) if isinstance(block, Indented) else [str(block)])
+    ]
+
+
+def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
+    """``check_lines`` as blocks: its lines, and the balance check's table (each group's share of the
+    gradient norm, by term) as a table."""
     checks = fm.checks
-    lines = []
+    lines: list[str | Text | Indented] = []
     c = checks.get("consistency")
     if c:
         parts = []
         for v, r in c["variants"].items():
             if r["passed"]:
-                parts.append(f"{v}: PASS ({r['checked_cells']} cells)")
+                parts.append(_assemble(f"{v}: ", PASS, f" ({r['checked_cells']} cells)"))
             else:
                 worst = r["worst"][0] if r["worst"] else None
                 error = worst.get("rel_error") if worst else None
@@ -350,14 +650,17 @@ def check_lines(fm: FlowMap) -> list[str]:
                 )
                 failed = f"{r['failed_cells']}/{r['checked_cells']} cells" if r["checked_cells"] else "no run"
                 terms = f", {len(r['terms'])} term value(s)" if r["terms"] else ""
-                parts.append(f"{v}: FAIL {failed}{terms}{detail}")
+                parts.append(_assemble(f"{v}: ", FAIL, f" {failed}{terms}{detail}"))
         # The same measure as the table's '!' (relative L1 error per parameter, the run's noise floor),
         # at a tighter rtol: a cell the table marks fails here too.
         rtol = c.get("rtol")
         table = f", the table's '!' at {fm.rtol:g}" if fm.rtol is not None else ""
         lines.append(
-            f"consistency vs {fm.reference} (relative L1 error per parameter <= {rtol:g}{table}, above the "
-            "noise floor): " + "; ".join(parts)
+            _assemble(
+                f"consistency vs {fm.reference} (relative L1 error per parameter <= {rtol:g}{table}, above "
+                "the noise floor): "
+            )
+            + _assemble("; ").join(parts)
         )
     for name in ("physics", "balance", "training"):  # a check that raised: its error, nothing else
         result = checks.get(name)
@@ -365,7 +668,7 @@ def check_lines(fm: FlowMap) -> list[str]:
             lines.append(f"{name}: could not run — {result['error']}")
     p = checks.get("physics")
     if p and not p.get("error"):
-        head = "PASS" if p["passed"] else "FAIL"
+        head = PASS if p["passed"] else FAIL
         parts = [
             f"force vs -dE/dx {p['force']['max_rel_error']:.2g}",
             f"sum rule {p['sum_rule']['relative']:.2g}",
@@ -376,8 +679,11 @@ def check_lines(fm: FlowMap) -> list[str]:
         if precision.get("detectable") is not None:
             parts.append(f"detects forces off by {precision['detectable']:.2g} or more")
         lines.append(
-            f"physics ({p['samples']} finite-difference samples, {precision.get('dtype', 'float64')}): {head} — "
-            + ", ".join(parts)
+            _assemble(
+                f"physics ({p['samples']} finite-difference samples, {precision.get('dtype', 'float64')}): ",
+                head,
+                " — " + ", ".join(parts),
+            )
         )
         if precision.get("why"):  # not a float64 copy: on what, in which precision, and why
             lines.append(f"  on {precision['on']}, in {precision['dtype']}: {precision['why']}")
@@ -397,7 +703,9 @@ def check_lines(fm: FlowMap) -> list[str]:
                 "outputs vs the reference's " + ", ".join(f"{k} {e:.2g}" for k, e in r["outputs"].items())
             )
         lines.append(
-            f"physics, {v} (its own forces): {'PASS' if r['passed'] else 'FAIL'} — " + ", ".join(parts)
+            _assemble(
+                f"physics, {v} (its own forces): ", PASS if r["passed"] else FAIL, " — " + ", ".join(parts)
+            )
         )
         lines.extend(f"  {failure}" for failure in r["failures"])
     for v, entry in (checks.get("shape_sweep") or {}).items():
@@ -408,17 +716,18 @@ def check_lines(fm: FlowMap) -> list[str]:
     b = checks.get("balance")
     if b and not b.get("error"):
         groups = [g for g in b["groups"] if any(b["norms"][t][g] > 0 for t in b["norms"])]
-        width = max(len("term"), *(len(t) for t in b["shares"])) + 2
-        cols = [max(len(g), 7) + 2 for g in groups]
         lines.append("balance: share of each group's gradient norm, by term (at the step's prefactors):")
-        lines.append(
-            "  " + "term".ljust(width) + "".join(g.ljust(w) for g, w in zip(groups, cols, strict=True))
-        )
-        for term, shares in b["shares"].items():
-            cells = [f"{shares[g]:.1%}" if b["norms"][term][g] > 0 else "-" for g in groups]
-            lines.append(
-                "  " + term.ljust(width) + "".join(c.ljust(w) for c, w in zip(cells, cols, strict=True))
+        shares = b["shares"]
+        label = Column("term", [visible(t) for t in shares], wrap=False)
+        columns = [
+            Column(
+                visible(g),
+                [f"{shares[t][g]:.1%}" if b["norms"][t][g] > 0 else "-" for t in shares],
+                least=7,
             )
+            for g in groups
+        ]
+        lines.append(Indented(label, columns))
         update = (b.get("effective_update") or {}).get("terms") or {}
         if update:
             lines.append(
@@ -461,28 +770,90 @@ def verdict(fm: FlowMap) -> str:
     return head + (f" ({', '.join(extra)})" if extra and not head.startswith("check") else "")
 
 
-def render(fm: FlowMap, *, show_all: bool = False) -> str:
-    """The whole terminal report: verdict and serious findings first, then the table, then details."""
+def render(fm: FlowMap, *, show_all: bool = False, width: int | None = None) -> str:
+    """The whole terminal report as plain text: verdict and serious findings first, then the table,
+    then details. Its tables fit ``width`` (else ``COLUMNS``, else ``DEFAULT_WIDTH``); lines of prose
+    wrap at ``width`` when one is given (a terminal's), and are left whole otherwise (a file, a pipe:
+    one line per statement, for grep)."""
+    console = plain_console(report_width(width))
+    print_report(console, fm, show_all=show_all, wrap=width is not None)
+    return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
+
+
+def print_report(console: Console, fm: FlowMap, *, show_all: bool = False, wrap: bool = True) -> None:
+    """The report's renderables on ``console`` (the one render path of the plain and the coloured
+    report): prose word-wrapped at the console's width when ``wrap``, tables fitted to it always."""
+    from rich.text import Text
+
+    def say(text: Text | str = "") -> None:
+        text = Text(text) if isinstance(text, str) else text
+        # Wrapped here, not by print: the same lines in both looks, none with a space left at its end.
+        for line in text.wrap(console, console.width) if wrap else [text]:
+            line.rstrip()
+            console.print(line, soft_wrap=True)
+
+    head = verdict(fm)
+    style = (
+        "bold red"
+        if head.startswith("PROBLEM")
+        else "bold yellow"
+        if head.startswith("check")
+        else "bold green"
+    )
+    say(Text.assemble(("gradprobe: ", "bold"), (head, style)))
+    say()
     serious = [f for f in fm.findings if f.severity != "info"]
-    out = [f"gradprobe: {verdict(fm)}", ""]
     for f in serious:
-        out.extend(finding_lines(f))
+        say(finding_text(f))
     if serious:
-        out.append("")
-    out.append(table_title(fm))
-    out.append(summary_table(fm))
+        say()
+    say(Text(visible(table_title(fm)), style="dim"))
+    for i, table in enumerate(tables(*summary_columns(fm), console.width, roomy=SUMMARY_ROOMY)):
+        if i:
+            say()
+        print_table(console, table)
     footer = table_footer(fm)
     if footer:
-        out.append(footer)
-    out.extend(details_lines(fm, show_all=show_all))
-    return visible("\n".join(out) + "\n")
+        say(Text(visible(footer), style="red"))
+    for block in details_blocks(fm, show_all=show_all):
+        if isinstance(block, Indented):
+            for table in tables(block.label, block.columns, console.width - block.indent):
+                print_table(console, table, indent=block.indent)
+        else:
+            say(Text(visible(block)) if isinstance(block, str) else block)
 
 
-def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
+def finding_text(f: Finding) -> Text:
+    """A finding's lines (``finding_lines``): the severity coloured, the cause bold, the fix cyan."""
+    from rich.text import Text
+
+    first, *rest = finding_lines(f)
+    text = Text()
+    text.append(visible(f.severity.upper()), SEVERITY_STYLE.get(f.severity, ""))
+    text.append(" ")
+    text.append(visible(f.cause), "bold")
+    text.append(visible(first[len(f.severity) + 1 + len(f.cause) :]))
+    for line in rest:
+        text.append("\n")
+        if line.startswith("  fix: "):
+            text.append("  fix: ", "bold cyan")
+            text.append(visible(line[len("  fix: ") :]))
+        else:
+            text.append(visible(line))
+    return text
+
+
+def details_lines(fm: FlowMap, *, show_all: bool = False, width: int | None = None) -> list[str]:
+    """``details_blocks`` as plain lines, tables of at most ``width`` (default ``report_width()``)."""
+    return plain_lines(details_blocks(fm, show_all=show_all), report_width(width))
+
+
+def details_blocks(fm: FlowMap, *, show_all: bool = False) -> list[Block]:
     """Everything after the table: what the differences mean, what the reference does not reach, the
-    variants' build facts, the checks, the per-parameter diffs, warnings and info findings."""
+    variants' build facts, the checks, the bisections' trials, the per-parameter diffs, warnings and
+    info findings."""
     info = [f for f in fm.findings if f.severity == "info"]
-    out: list[str] = []
+    out: list[Block] = []
     interp = interpretation_lines(fm)
     if interp:
         out.append("")
@@ -494,31 +865,38 @@ def details_lines(fm: FlowMap, *, show_all: bool = False) -> list[str]:
         out.append("")
         out.extend(facts)
     try:
-        checked = check_lines(fm)
+        checked = check_blocks(fm)
     except (KeyError, TypeError, AttributeError, ValueError):  # a saved map with checks of another shape
         checked = ["(the checks section of this flow map could not be read)"]
     if checked:
         out.extend(["", "checks:"])
-        out.extend(f"  {line}" for line in checked)
-    trials = trial_lines(fm)
+        out.extend(
+            Indented(b.label, b.columns, b.indent + 2)
+            if isinstance(b, Indented)
+            else f"  {b}"
+            if isinstance(b, str)
+            else _assemble("  ") + b
+            for b in checked
+        )
+    trials = trial_blocks(fm)
     if trials:
         out.append("")
         out.extend(trials)
     diffs = [
-        line
+        block
         for v in fm.variant_names
         if v != fm.reference
         for s in fm.scenario_names
-        for line in (diff_lines(fm, v, s, show_all=show_all) + [""] if fm.cells_of(v, s) else [])
-        if show_all or fm.differences(v, s)
+        if fm.cells_of(v, s) and (show_all or fm.differences(v, s))
+        for block in [*diff_blocks(fm, v, s, show_all=show_all), ""]
     ]
     if diffs:
         out.append("")
         out.extend(diffs[:-1])
     for w in fm.warnings:
-        out.extend(["", f"WARNING {w}"])
+        out.extend(["", _assemble(("WARNING", SEVERITY_STYLE["warning"]), f" {w}")])
     if info:
         out.append("")
         for f in info:
-            out.extend(finding_lines(f))
+            out.append(finding_text(f))
     return out
