@@ -17,7 +17,9 @@ from typing import Any
 import msgspec
 
 from ..flowmap import Finding, FlowMap, Run
+from ..frames import is_import_machinery
 from .controls import visible
+from .overview import finding_lines
 from .terminal import (
     cell_text,
     check_lines,
@@ -74,7 +76,11 @@ color:#fff;font-weight:700;line-height:14px}.charts{display:flex;flex-wrap:wrap;
 figure{margin:0;max-width:100%;overflow-x:auto}figure .legend{margin-top:4px;gap:3px 14px;font-size:12.5px}
 .legend svg{vertical-align:-2px;margin-right:5px;flex:none}.legend.rows{flex-direction:column}.legend.rows>span{display:flex;align-items:baseline}.legend .failed,.failed{color:#b91c1c}.legend span{overflow-wrap:anywhere}
 figcaption{font-weight:600;margin-bottom:4px}svg text{font:11px system-ui,sans-serif;fill:#374151}svg .nf{fill:#b91c1c}li.in{margin-left:18px}
-.share{min-width:72px}.balance h4{margin:12px 0 4px;font-size:13.5px}.key{margin:4px 0;font-size:12.5px;color:#374151}
+.overview{list-style:none;padding:0;margin:2px 0 0}.overview li{margin:2px 0;font-size:13.5px;line-height:1.4;overflow-wrap:anywhere}
+.overview a{text-decoration:none}.overview .times{color:#6b7280;font-weight:600}.overview .badge{font-size:10px;padding:1px 5px}
+header .top{display:flex;flex-wrap:wrap;align-items:center;gap:4px 18px}header h1{margin:0}
+header .verdict{margin:2px 0}#heatmap-section{padding-top:10px}#heatmap-section h2{display:inline;margin-right:14px}
+#heatmap-section #hm-info{display:inline-block;margin:0 0 6px}.share{min-width:72px}.balance h4{margin:12px 0 4px;font-size:13.5px}.key{margin:4px 0;font-size:12.5px;color:#374151}
 """
 
 JS = """(function(){var hm=document.getElementById('heatmap'),info=document.getElementById('hm-info');
@@ -123,13 +129,27 @@ def _header(fm: FlowMap) -> str:
     facts = f"{fm.device} {fm.dtype} · torch {fm.torch_version} · reference {fm.reference}"
     facts += " · variants: " + ", ".join(fm.variant_names)
     return (
-        f'<header><h1>gradprobe report</h1><div class="sub">{esc(facts)}</div>'
-        f'<div class="verdict v-{kind}" id="verdict">{esc(text)}</div></header>'
+        f'<header><div class="top"><h1>gradprobe report</h1><div class="verdict v-{kind}" id="verdict">'
+        f'{esc(text)}</div></div><div class="sub">{esc(facts)}</div></header>'
     )
 
 
+def _overview(fm: FlowMap) -> str:
+    """The first screen under the verdict: one line per finding in the diagnosis order, duplicates
+    merged, each a link to its details below."""
+    items = []
+    for line in finding_lines(fm):
+        times = f' <span class="times">×{len(line.indices)}</span>' if len(line.indices) > 1 else ""
+        items.append(
+            f'<li class="sev-{esc(line.severity)}" data-cause="{esc(line.cause)}" data-count="{len(line.indices)}">'
+            f'<span class="badge">{esc(line.severity.upper())}</span> <a href="#finding-{line.indices[0]}">'
+            f"<code>{esc(line.cause)}</code></a> {esc(line.text)}{times}</li>"
+        )
+    return f'<ul id="overview" class="overview">{"".join(items)}</ul>' if items else ""
+
+
 def _location(loc: dict[str, Any] | None) -> str:
-    if not loc:
+    if not loc or is_import_machinery(str(loc.get("file", ""))):
         return ""
     if "file" not in loc:
         modules = loc.get("modules")
@@ -141,18 +161,18 @@ def _location(loc: dict[str, Any] | None) -> str:
     return f'<dt>where</dt><dd><code title="{esc(loc["file"])}">{esc(where)}</code>{esc(module + mtype)}{code}</dd>'
 
 
-def _finding(f: Finding) -> str:
+def _finding(f: Finding, i: int) -> str:
     parts = [_location(f.location)]
     parts += [f"<dt>fix</dt><dd>{esc(f.fix)}</dd>"] * bool(f.fix)
     parts += [f"<dt>see</dt><dd>{esc(', '.join(f.references))}</dd>"] * bool(f.references)
     return (
-        f'<div class="finding sev-{esc(f.severity)}"><span class="badge">{esc(f.severity.upper())}</span> '
+        f'<div class="finding sev-{esc(f.severity)}" id="finding-{i}"><span class="badge">{esc(f.severity.upper())}</span> '
         f"<code>{esc(f.cause)}</code><p>{esc(f.message)}</p><dl>{''.join(parts)}</dl></div>"
     )
 
 
 def _findings(fm: FlowMap) -> str:
-    content = "".join(_finding(f) for f in fm.findings) or '<p class="hint">No finding.</p>'
+    content = "".join(_finding(f, i) for i, f in enumerate(fm.findings)) or '<p class="hint">No finding.</p>'
     return _section("Findings", content, "findings")
 
 
@@ -391,10 +411,6 @@ def _why(err: Any) -> str:
     return f"{err.stage} {err.type}: {err.message}" if err else "no run recorded"
 
 
-def _clip(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int) -> str:
     """Grouped bars of log10 L1 norm per trainable parameter in model order, one bar per variant: a run
     that failed is a grey dashed bar, a gradient the reference has and a variant lost is a red x."""
@@ -454,7 +470,7 @@ def _norm_chart(fm: FlowMap, scenario: str, lo: int, hi: int) -> str:
     parts.append(f'<line x1="{left}" x2="{w - 6}" y1="{base}" y2="{base}" stroke="#6b7280"/>')
     svg = f'<svg width="{w}" height="{base + bottom}" role="img">{"".join(parts)}</svg>'
     notes = "".join(
-        f'<span class="failed" title="{esc(why)}">{_failed_bar_swatch()}{esc(v)}: run failed — {esc(_clip(why))}</span>'
+        f'<span class="failed" title="{esc(why)}">{_failed_bar_swatch()}{esc(v)}: run failed — {esc(why)}</span>'
         for v, why in failed.items()
     )
     legend = f'<div class="legend">{notes}</div>' if notes else ""
@@ -592,9 +608,7 @@ def _curve_chart(
             )
             why = error or "the check marked it as an error"
             label = f"{v}: failed after {len(points[i])} value(s) — {why}"
-            legend.append(
-                f'<span class="failed" title="{esc(label)}">{swatch}<span>{esc(_clip(label))}</span></span>'
-            )
+            legend.append(f'<span class="failed">{swatch}<span>{esc(label)}</span></span>')
         else:
             text = f"{v}: {said}" if said else v
             legend.append(f"<span>{swatch}<span>{esc(text + tail)}</span></span>")
@@ -734,7 +748,10 @@ def _environment(fm: FlowMap) -> str:
 
 def render_html(fm: FlowMap) -> str:
     """The whole report as one self-contained HTML page."""
-    sections = (_header, _findings, _summary, _heatmap, _norm_charts, _checks, _trials, _diffs, _environment)
+    # The first screen: the verdict, one line per finding, the heat map; the details below.
+    sections = (
+        _header, _overview, _heatmap, _findings, _summary, _norm_charts, _checks, _trials, _diffs, _environment,
+    )  # fmt: skip
     body = "".join(section(fm) for section in sections)
     return visible(
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
