@@ -550,3 +550,22 @@ def test_import_machinery_is_never_a_where(makefx_map):
         msgspec.structs.replace(makefx_map, findings=(msgspec.structs.replace(f, location=frozen),))
     )
     assert "frozen importlib" not in page and "_bootstrap" not in page
+
+
+def test_page_comes_from_the_autoescaped_template_shipped_in_the_package(evil_map):
+    """The page is the Jinja2 template (package data: hatch ships every file under src/gradprobe in the
+    wheel, and jinja2 is a core dependency); autoescaping writes user text as text."""
+    import importlib.resources
+    import tomllib
+
+    from gradprobe.report.html import TEMPLATE, _template
+
+    assert importlib.resources.files("gradprobe.report").joinpath("templates", TEMPLATE).is_file()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "jinja2>=3.1" in project["project"]["dependencies"]
+    assert project["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["src/gradprobe"]
+    template = _template()
+    assert template.environment.autoescape is True and template.name == TEMPLATE
+    page = render_html(evil_map)
+    assert page.startswith("<!DOCTYPE html>\n") and page.count("<script>") == 1
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "&lt;img src=x onerror=" in page
