@@ -4,6 +4,7 @@ Chromium is installed (CI installs it), on the DOM that headless Chromium dumps 
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import os
@@ -569,3 +570,109 @@ def test_page_comes_from_the_autoescaped_template_shipped_in_the_package(evil_ma
     page = render_html(evil_map)
     assert page.startswith("<!DOCTYPE html>\n") and page.count("<script>") == 1
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "&lt;img src=x onerror=" in page
+
+
+# ----- compile events, tlparse-style --------------------------------------------------------------
+
+
+class BreakingModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        print("", end="")  # a graph break: dynamo cannot trace print
+        return self.b(h)
+
+
+def breaking_step(model, batch):
+    y = model(batch)
+    return {"fit": y.pow(2).mean(), "reg": model.a.weight.abs().sum()}
+
+
+def events_of(page: str) -> list[dict[str, str]]:
+    """Each compile event of the page: its kind, summary and the text of its details."""
+    section = section_of(page, "compile-events")
+    found = re.findall(
+        r'<details class="event" data-kind="([\w-]+)"><summary>(.*?)</summary>(.*?)</details>', section, re.S
+    )
+    strip = lambda h: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", h)).split())  # noqa: E731
+    return [{"kind": k, "summary": strip(s), "details": strip(d)} for k, s, d in found]
+
+
+def test_graph_breaks_are_recorded_with_their_frame():
+    fm = gradprobe.probe(
+        gradprobe.ProbeSpec(model=BreakingModel(), step=breaking_step, batch=torch.ones(4, 3)),
+        variants="eager,compile:eager",
+        progress=False,
+    )
+    runs = fm.evidence["dynamo"]["compile:eager"]["runs"]
+    breaks = [b for w in runs.values() for c in w["compiles"] for b in c.get("breaks") or ()]
+    line = next(
+        i for i, x in enumerate(Path(__file__).read_text().splitlines(), 1) if 'print("", end="")' in x
+    )
+    (inner,) = [b for b in breaks if b.get("function") == "forward"]
+    assert (inner["file"], inner["line"]) == (__file__, line) and inner["code"].startswith(
+        'print("", end="")'
+    )
+    assert inner["reason"].startswith("Failed to trace builtin operator") and "print" in inner["reason"]
+    events = events_of(render_html(fm))
+    (event,) = events  # one event: the frames the break went through are listed in its details
+    assert event["kind"] == "graph-break" and "Failed to trace builtin operator" in event["summary"]
+    assert f"test_report_html.py:{line} in forward" in event["summary"]
+    assert 'print("", end="")' in event["details"] and "Hint:" in event["details"]
+    assert (
+        "also restarted: test_report_html.py" in event["details"] and "in breaking_step" in event["details"]
+    )
+
+
+def test_compile_events_expand_to_reason_and_frame(zoo_map):
+    fm = zoo_map("recompile-per-scenario", diagnose=True)
+    page = render_html(fm)
+    events = events_of(page)
+    kinds = {e["kind"] for e in events}
+    assert {"graph-break", "recompile"} <= kinds
+    recompile = next(e for e in events if e["kind"] == "recompile")
+    assert "___stack" in recompile["summary"] and "multitask.py:" in recompile["summary"]
+    assert "triggered by the following guard failure" in recompile["details"] or "==" in recompile["details"]
+    brk = next(e for e in events if e["kind"] == "graph-break")
+    assert "Tensor.item()" in brk["summary"] and "multitask.py:53 in flag_step" in brk["summary"]
+    assert "capture_scalar_outputs" in brk["details"]
+    # a compile that failed and a run that fell back to eager, as a map records them
+    d = json.loads(fm.to_json())
+    ev = d["evidence"]["dynamo"]["compile:aot_eager"]
+    first = next(iter(ev["runs"]))
+    ev["runs"][first]["compiles"].append(
+        {"frame": "flag_step", "file": "/u/multitask.py", "line": 50, "ok": False, "fail_type": "InternalTorchDynamoError",
+         "fail_reason": "NotImplementedError: len() of a <user object>", "graph_breaks": None, "reason": None, "breaks": []}
+    )  # fmt: skip
+    run = next(r for r in d["runs"] if r["variant"] == "compile:aot_eager" and r["scenario"] == first)
+    run["error"] = {"stage": "forward", "type": "DynamoFallback", "message": "recompile_limit reached: ran in eager <b>",
+                    "where": {"file": "/u/multitask.py", "line": 58, "code": "loss = w * e", "function": "flag_step"}}  # fmt: skip
+    events = events_of(render_html(FlowMap.from_dict(d)))
+    failed = next(e for e in events if e["kind"] == "failed-compile")
+    assert "InternalTorchDynamoError: NotImplementedError: len() of a" in failed["summary"]
+    assert "multitask.py:50 in flag_step" in failed["summary"]
+    fallback = next(e for e in events if e["kind"] == "fallback")
+    assert (
+        "recompile_limit reached" in fallback["summary"]
+        and "multitask.py:58 in flag_step" in fallback["summary"]
+    )
+    assert "loss = w * e" in fallback["details"]
+    assert "ran in eager <b>" in Dom(render_html(FlowMap.from_dict(d))).all_text  # text, escaped
+
+
+def test_in_chromium_compile_events_open(zoo_map, tmp_path):
+    """In the browser each event is a closed <details> that opens to its reason and frame."""
+    page = tmp_path / "events.html"
+    js = """window.addEventListener('load',function(){var d=document.querySelectorAll('details.event');
+    var h0=d[0].getBoundingClientRect().height;d[0].open=true;var h1=d[0].getBoundingClientRect().height;
+    var o=document.createElement('pre');o.id='layout';o.textContent=JSON.stringify({n:d.length,closed:h0,open:h1});
+    document.body.appendChild(o);});"""
+    page.write_text(
+        render_html(zoo_map("recompile-per-scenario")).replace("</body>", f"<script>{js}</script></body>")
+    )
+    at = json.loads(Pre(browse(page, tmp_path / "profile", "--dump-dom", "--window-size=1400,900")).text)
+    assert at["n"] >= 2 and at["open"] > at["closed"] + 20, at

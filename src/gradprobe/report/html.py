@@ -23,12 +23,13 @@ import msgspec
 from jinja2.ext import Extension
 
 from ..flowmap import FlowMap, Run
-from ..frames import is_import_machinery
+from ..frames import is_import_machinery, is_user_file
 from .controls import visible
 from .overview import finding_lines
 from .terminal import (
     cell_text,
     check_lines,
+    dynamo_facts,
     interpretation_lines,
     meaning_lines,
     trial_rows,
@@ -222,6 +223,93 @@ def _trials(fm: FlowMap) -> list[dict[str, Any]]:
              for flip, result, sec in rows])}
         for variant, scenarios, rows in trial_rows(fm)
     ]  # fmt: skip
+
+
+# ----- compile events ----------------------------------------------------------------------------
+
+
+def _at(file: Any, line: Any, function: Any = None) -> str:
+    where = f"{os.path.basename(str(file))}:{line if line is not None else '?'}"
+    return where + (f" in {function}" if function else "")
+
+
+def _first_line(text: Any) -> str:
+    return str(text or "").strip().split("\n", 1)[0]
+
+
+def _variant_events(fm: FlowMap, variant: str) -> list[dict[str, Any]]:
+    """Each compile event of one path, tlparse-style: graph breaks (one per reason and run, at the
+    innermost user frame that broke, the frames it broke through listed), recompiles (the failed guard
+    and its line), compiles that failed, and runs that fell back to eager."""
+    d = (fm.evidence.get("dynamo") or {}).get(variant) or {}
+    windows = [("build", d.get("build")), *(d.get("runs") or {}).items()]
+    out: list[dict[str, Any]] = []
+    for name, w in windows:
+        if not isinstance(w, dict):
+            continue
+        compiles = [c for c in w.get("compiles") or () if isinstance(c, dict) and c.get("frame")]
+        breaks: dict[str, list[dict[str, Any]]] = {}
+        for c in compiles:
+            for b in c.get("breaks") or ():
+                breaks.setdefault(str(b.get("reason", "")), []).append(b)
+        for reason, sites in breaks.items():
+            user = [b for b in sites if b.get("file") and is_user_file(str(b["file"]))] or sites
+            b = user[-1]  # the innermost: dynamo restarts every frame the break went through
+            through = [_at(x.get("file"), x.get("line"), x.get("function")) for x in user[:-1]]
+            out.append({
+                "kind": "graph-break", "label": "graph break", "window": name, "summary": _first_line(reason),
+                "frame": _at(b.get("file"), b.get("line"), b.get("function")), "file": str(b.get("file") or ""),
+                "code": str(b.get("code") or ""),
+                "reason": reason + (f"\n\nalso restarted: {', '.join(through)}" if through else ""),
+            })  # fmt: skip
+        if not breaks:  # a map from before the breaks were recorded per frame: dynamo's reasons alone
+            for reason, n in (w.get("graph_breaks") or {}).items():
+                out.append({"kind": "graph-break", "label": "graph break", "window": name, "frame": "",
+                            "file": "", "code": "", "summary": f"{_first_line(reason)} (×{n})",
+                            "reason": str(reason)})  # fmt: skip
+        for c in compiles:
+            r = c.get("reason")
+            if isinstance(r, dict):
+                out.append({
+                    "kind": "recompile", "label": "recompile", "window": name,
+                    "summary": f"{r.get('guard') or 'a guard failed'} (frame {c['frame']})",
+                    "frame": _at(r["file"], r.get("line")) if r.get("file") else _at(c.get("file"), c.get("line"), c["frame"]),
+                    "file": str(r.get("file") or c.get("file") or ""), "code": str(r.get("code") or ""),
+                    "reason": str(r.get("text") or ""),
+                })  # fmt: skip
+            if c.get("fail_type"):
+                out.append({
+                    "kind": "failed-compile", "label": "compile failed", "window": name,
+                    "summary": f"{c['fail_type']}: {_first_line(c.get('fail_reason'))}",
+                    "frame": _at(c.get("file"), c.get("line"), c["frame"]), "file": str(c.get("file") or ""),
+                    "code": "", "reason": str(c.get("fail_reason") or ""),
+                })  # fmt: skip
+    compiled = any(isinstance(w, dict) and w.get("ran_compiled") for _, w in windows)
+    for name, w in (d.get("runs") or {}).items():
+        run = _run(fm, variant, name)
+        err = run.error if run is not None else None
+        if err is not None and err.type == "DynamoFallback":
+            where = err.where or {}
+            out.append({
+                "kind": "fallback", "label": "fallback to eager", "window": name, "summary": _first_line(err.message),
+                "frame": _at(where["file"], where.get("line"), where.get("function")) if where.get("file") else "",
+                "file": str(where.get("file") or ""), "code": str(where.get("code") or ""), "reason": err.message,
+            })  # fmt: skip
+        elif compiled and isinstance(w, dict) and not w.get("ran_compiled") and err is None:
+            out.append({"kind": "fallback", "label": "ran eager", "window": name, "frame": "", "file": "",
+                        "code": "", "summary": "no compiled code ran in this run: dynamo ran it in eager",
+                        "reason": ""})  # fmt: skip
+    return out
+
+
+def _events(fm: FlowMap) -> list[dict[str, Any]]:
+    """The compile events of every path dynamo compiled, each expandable to its reason and frame."""
+    blocks = []
+    for v in fm.variant_names:
+        events, facts = _variant_events(fm, v), dynamo_facts(fm, v)
+        if events:
+            blocks.append({"variant": v, "facts": facts, "events": events})
+    return blocks
 
 
 # ----- heat map --------------------------------------------------------------------------------
@@ -691,7 +779,7 @@ def render_html(fm: FlowMap) -> str:
         heatmap=_heatmap(fm),
         findings=_findings(fm),
         summary=_summary(fm),
-        events=[],
+        events=_events(fm),
         norms=_norm_charts(fm),
         checks=_checks(fm),
         trials=_trials(fm),
