@@ -255,10 +255,12 @@ def _variant_events(fm: FlowMap, variant: str) -> list[dict[str, Any]]:
         for reason, sites in breaks.items():
             user = [b for b in sites if b.get("file") and is_user_file(str(b["file"]))] or sites
             b = user[-1]  # the innermost: dynamo restarts every frame the break went through
+            at = _at(b.get("file"), b.get("line"), b.get("function"))
             through = [_at(x.get("file"), x.get("line"), x.get("function")) for x in user[:-1]]
+            through = [x for x in dict.fromkeys(through) if x != at]
             out.append({
                 "kind": "graph-break", "label": "graph break", "window": name, "summary": _first_line(reason),
-                "frame": _at(b.get("file"), b.get("line"), b.get("function")), "file": str(b.get("file") or ""),
+                "frame": at, "file": str(b.get("file") or ""),
                 "code": str(b.get("code") or ""),
                 "reason": reason + (f"\n\nalso restarted: {', '.join(through)}" if through else ""),
             })  # fmt: skip
