@@ -4,8 +4,10 @@ Chromium is installed (CI installs it), on the DOM that headless Chromium dumps 
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -99,13 +101,18 @@ def expected_keys(fm: FlowMap) -> set[tuple[str, str, str]]:
 
 
 def chromium() -> str:
+    """Headless Chromium's path; without it the browser tests skip, except in CI (``CI`` or
+    ``GRADPROBE_REQUIRE_CHROMIUM`` set), where they fail."""
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
             return path
-    pytest.skip(
+    why = (
         "headless Chromium not found: install it (Debian: `apt-get install -y chromium`, as .ci/run does) "
         "to check the HTML report in a browser"
     )
+    if os.environ.get("CI") or os.environ.get("GRADPROBE_REQUIRE_CHROMIUM"):
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def browse(page: Path, profile: Path, *options: str) -> str:
@@ -159,7 +166,9 @@ def test_sections_findings_table_and_charts(makefx_map):
     assert "8/14 ⚠" in text and "reaches 8 vs 10 in eager" in text  # table and interpretation
     norms = page.split('id="norms"')[1].split("</section>")[0]
     assert norms.count("<figure") == 3  # energy only, force only, virial only
-    assert page.index('id="findings"') < page.index('id="summary"') < page.index('id="heatmap"')
+    # the first screen: verdict, a line per finding, the heat map; the details below
+    assert page.index('id="verdict"') < page.index('id="overview"') < page.index('id="heatmap"')
+    assert page.index('id="heatmap"') < page.index('id="findings"') < page.index('id="summary"')
     assert "Per-parameter diff" in text and "missing" in text
     assert "torch 2.13" in text or makefx_map.torch_version in text
 
@@ -437,3 +446,233 @@ def test_curves_of_a_variant_that_never_ran_and_a_single_value(makefx_map):
     assert "nan: failed after 0 value(s) — the check marked it as an error" in chart
     assert "eager: flat" in chart and chart.count("<polyline") == 1  # one point: a marker on its line
     assert re.search(r'<circle cx="[\d.]+" cy="[\d.]+" r="4.0" fill="#2563eb"', chart)
+
+
+# ----- issue 34: the first screen, the legend, the import machinery --------------------------------
+
+
+@pytest.fixture(scope="module")
+def six_errors_map(wide_map, eval_map, makefx_map) -> FlowMap:
+    """Six error findings from four zoo bugs on the wide map, one of them twice (makefx-detach from
+    the wide map and from the make_fx map: the same message), as a user with several bugs sees them."""
+    nonfinite = gradprobe.probe(gradprobe.zoo.reference_spec(bug="nonfinite-grad"), progress=False)
+    findings = (*wide_map.findings, *eval_map.findings, *nonfinite.findings, *makefx_map.findings)
+    fm = msgspec.structs.replace(wide_map, findings=findings)
+    assert sum(f.severity == "error" for f in fm.findings) == 6
+    return fm
+
+
+def test_first_screen_one_line_per_finding_duplicates_merged(six_errors_map):
+    fm = six_errors_map
+    page = render_html(fm)
+    overview = page.split('id="overview"')[1].split("</ul>")[0]
+    lines = re.findall(r'<li class="sev-(\w+)" data-cause="([^"]+)" data-count="(\d+)">', overview)
+    causes = [f.cause for f in fm.findings]
+    # the diagnosis order, each cause once: makefx-detach (twice in the map) and the identical
+    # unused-parameter infos are merged
+    assert [c for _, c, _ in lines] == list(dict.fromkeys(causes))
+    assert causes.count("makefx-detach") == 2 and ("error", "makefx-detach", "2") in lines
+    assert sum(int(n) for _, _, n in lines) == len(fm.findings)
+    assert "PROBLEM: 6 error(s)" in Dom(page).all_text
+    first = overview.split("</li>")[0]
+    assert "the traced path drops second-order gradients (PyTorch #175477)" in first and "×2" in first
+    assert "force only: 8/14" not in first  # one line: the details are below, linked
+    assert 'href="#finding-0"' in first and 'id="finding-0"' in page
+    assert page.index('id="overview"') < page.index('id="heatmap"') < page.index('id="findings"')
+
+
+def test_merged_line_joins_the_paths(makefx_map):
+    (f,) = [f for f in makefx_map.findings if f.cause == "makefx-detach"]
+    other = msgspec.structs.replace(
+        f,
+        message=f.message.replace("in make_fx", "in make_fx[pre_dispatch=true]"),
+        evidence={**f.evidence, "variant": "make_fx[pre_dispatch=true]"},
+    )
+    plain = msgspec.structs.replace(
+        f, message="the traced path drops gradients in make_fx: x", evidence={**f.evidence}
+    )
+    plain2 = msgspec.structs.replace(
+        f,
+        message="the traced path drops gradients in make_fx+compile:eager: x",
+        evidence={**f.evidence, "variant": "make_fx+compile:eager"},
+    )
+    from gradprobe.report.overview import finding_lines
+
+    lines = finding_lines(msgspec.structs.replace(makefx_map, findings=(f, other, plain, plain2)))
+    assert [len(x.indices) for x in lines] == [2, 2]
+    assert lines[0].variants == ["make_fx", "make_fx[pre_dispatch=true]"]
+    assert lines[1].text == "the traced path drops gradients in make_fx, make_fx+compile:eager"
+
+
+# Written into the DOM after layout: where the first screen's parts are.
+FIRST_SCREEN_JS = """window.addEventListener('load',function(){
+var R=function(id){var e=document.getElementById(id);return e?e.getBoundingClientRect():null;};
+var o=document.createElement('pre');o.id='layout';o.textContent=JSON.stringify({width:innerWidth,
+height:innerHeight,verdict:R('verdict').top,overview:R('overview').bottom,heatmap:R('heatmap').top,
+findings:R('findings').top});document.body.appendChild(o);});"""
+
+
+@pytest.mark.parametrize("size", [(1400, 900), (800, 600)])
+def test_in_chromium_heatmap_on_the_first_screen(six_errors_map, tmp_path, size):
+    """With six errors, the verdict, a line per finding and the heat map's top edge are on the first
+    screen (element positions after Chromium's layout, not pixels); the full findings come below."""
+    width, height = size
+    page = tmp_path / "report.html"
+    page.write_text(
+        render_html(six_errors_map).replace("</body>", f"<script>{FIRST_SCREEN_JS}</script></body>"),
+        encoding="utf-8",
+    )
+    dumped = browse(page, tmp_path / "profile", "--dump-dom", f"--window-size={width},{height}")
+    at = json.loads(Pre(dumped).text)
+    assert at["width"] == width and 0 < at["height"] <= height
+    assert 0 <= at["verdict"] < at["overview"] <= at["heatmap"], at
+    assert at["heatmap"] + 30 <= at["height"], at  # its top edge, and a little of it, on the first screen
+    assert at["findings"] > at["heatmap"], at
+
+
+def test_training_legend_wraps_the_whole_error(makefx_map):
+    why = "RuntimeError: " + " ".join(f"word{i}" for i in range(80)) + " the end"
+    training = {
+        "curves": {"eager": {"energy": [1.0, 0.5]}, "broken": {"energy": [1.0]}},
+        "verdicts": {"eager": {"energy": "decreases"}, "broken": {"energy": "error"}},
+        "errors": {"broken": {"energy": why}},
+    }
+    page = render_html(msgspec.structs.replace(makefx_map, checks={"training": training}))
+    chart = section_of(page, "checks").split('id="training"')[1]
+    assert f"broken: failed after 1 value(s) — {why}</span>" in chart and "…" not in chart
+    css = page.split(".legend span{")[1].split("}")[0] if ".legend span{" in page else ""
+    assert "nowrap" not in css
+
+
+def test_import_machinery_is_never_a_where(makefx_map):
+    (f,) = [f for f in makefx_map.findings if f.cause == "makefx-detach"]
+    frozen = {"file": "<frozen importlib._bootstrap>", "line": 1140, "code": ""}
+    page = render_html(
+        msgspec.structs.replace(makefx_map, findings=(msgspec.structs.replace(f, location=frozen),))
+    )
+    assert "frozen importlib" not in page and "_bootstrap" not in page
+
+
+def test_page_comes_from_the_autoescaped_template_shipped_in_the_package(evil_map):
+    """The page is the Jinja2 template (package data: hatch ships every file under src/gradprobe in the
+    wheel, and jinja2 is a core dependency); autoescaping writes user text as text."""
+    import importlib.resources
+    import tomllib
+
+    from gradprobe.report.html import TEMPLATE, _template
+
+    assert importlib.resources.files("gradprobe.report").joinpath("templates", TEMPLATE).is_file()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "jinja2>=3.1" in project["project"]["dependencies"]
+    assert project["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["src/gradprobe"]
+    template = _template()
+    assert template.environment.autoescape is True and template.name == TEMPLATE
+    page = render_html(evil_map)
+    assert page.startswith("<!DOCTYPE html>\n") and page.count("<script>") == 1
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "&lt;img src=x onerror=" in page
+
+
+# ----- compile events, tlparse-style --------------------------------------------------------------
+
+
+class BreakingModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        print("", end="")  # a graph break: dynamo cannot trace print
+        return self.b(h)
+
+
+def breaking_step(model, batch):
+    y = model(batch)
+    return {"fit": y.pow(2).mean(), "reg": model.a.weight.abs().sum()}
+
+
+def events_of(page: str) -> list[dict[str, str]]:
+    """Each compile event of the page: its kind, summary and the text of its details."""
+    section = section_of(page, "compile-events")
+    found = re.findall(
+        r'<details class="event" data-kind="([\w-]+)"><summary>(.*?)</summary>(.*?)</details>', section, re.S
+    )
+    strip = lambda h: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", h)).split())  # noqa: E731
+    return [{"kind": k, "summary": strip(s), "details": strip(d)} for k, s, d in found]
+
+
+def test_graph_breaks_are_recorded_with_their_frame():
+    fm = gradprobe.probe(
+        gradprobe.ProbeSpec(model=BreakingModel(), step=breaking_step, batch=torch.ones(4, 3)),
+        variants="eager,compile:eager",
+        progress=False,
+    )
+    runs = fm.evidence["dynamo"]["compile:eager"]["runs"]
+    breaks = [b for w in runs.values() for c in w["compiles"] for b in c.get("breaks") or ()]
+    line = next(
+        i for i, x in enumerate(Path(__file__).read_text().splitlines(), 1) if 'print("", end="")' in x
+    )
+    (inner,) = [b for b in breaks if b.get("function") == "forward"]
+    assert (inner["file"], inner["line"]) == (__file__, line) and inner["code"].startswith(
+        'print("", end="")'
+    )
+    assert inner["reason"].startswith("Failed to trace builtin operator") and "print" in inner["reason"]
+    events = events_of(render_html(fm))
+    (event,) = events  # one event: the frames the break went through are listed in its details
+    assert event["kind"] == "graph-break" and "Failed to trace builtin operator" in event["summary"]
+    assert f"test_report_html.py:{line} in forward" in event["summary"]
+    assert 'print("", end="")' in event["details"] and "Hint:" in event["details"]
+    assert (
+        "also restarted: test_report_html.py" in event["details"] and "in breaking_step" in event["details"]
+    )
+
+
+def test_compile_events_expand_to_reason_and_frame(zoo_map):
+    fm = zoo_map("recompile-per-scenario", diagnose=True)
+    page = render_html(fm)
+    events = events_of(page)
+    kinds = {e["kind"] for e in events}
+    assert {"graph-break", "recompile"} <= kinds
+    recompile = next(e for e in events if e["kind"] == "recompile")
+    assert "___stack" in recompile["summary"] and "multitask.py:" in recompile["summary"]
+    assert "triggered by the following guard failure" in recompile["details"] or "==" in recompile["details"]
+    brk = next(e for e in events if e["kind"] == "graph-break")
+    assert "Tensor.item()" in brk["summary"] and "multitask.py:53 in flag_step" in brk["summary"]
+    assert "capture_scalar_outputs" in brk["details"]
+    # a compile that failed and a run that fell back to eager, as a map records them
+    d = json.loads(fm.to_json())
+    ev = d["evidence"]["dynamo"]["compile:aot_eager"]
+    first = next(iter(ev["runs"]))
+    ev["runs"][first]["compiles"].append(
+        {"frame": "flag_step", "file": "/u/multitask.py", "line": 50, "ok": False, "fail_type": "InternalTorchDynamoError",
+         "fail_reason": "NotImplementedError: len() of a <user object>", "graph_breaks": None, "reason": None, "breaks": []}
+    )  # fmt: skip
+    run = next(r for r in d["runs"] if r["variant"] == "compile:aot_eager" and r["scenario"] == first)
+    run["error"] = {"stage": "forward", "type": "DynamoFallback", "message": "recompile_limit reached: ran in eager <b>",
+                    "where": {"file": "/u/multitask.py", "line": 58, "code": "loss = w * e", "function": "flag_step"}}  # fmt: skip
+    events = events_of(render_html(FlowMap.from_dict(d)))
+    failed = next(e for e in events if e["kind"] == "failed-compile")
+    assert "InternalTorchDynamoError: NotImplementedError: len() of a" in failed["summary"]
+    assert "multitask.py:50 in flag_step" in failed["summary"]
+    fallback = next(e for e in events if e["kind"] == "fallback")
+    assert (
+        "recompile_limit reached" in fallback["summary"]
+        and "multitask.py:58 in flag_step" in fallback["summary"]
+    )
+    assert "loss = w * e" in fallback["details"]
+    assert "ran in eager <b>" in Dom(render_html(FlowMap.from_dict(d))).all_text  # text, escaped
+
+
+def test_in_chromium_compile_events_open(zoo_map, tmp_path):
+    """In the browser each event is a closed <details> that opens to its reason and frame."""
+    page = tmp_path / "events.html"
+    js = """window.addEventListener('load',function(){var d=document.querySelectorAll('details.event');
+    var h0=d[0].getBoundingClientRect().height;d[0].open=true;var h1=d[0].getBoundingClientRect().height;
+    var o=document.createElement('pre');o.id='layout';o.textContent=JSON.stringify({n:d.length,closed:h0,open:h1});
+    document.body.appendChild(o);});"""
+    page.write_text(
+        render_html(zoo_map("recompile-per-scenario")).replace("</body>", f"<script>{js}</script></body>")
+    )
+    at = json.loads(Pre(browse(page, tmp_path / "profile", "--dump-dom", "--window-size=1400,900")).text)
+    assert at["n"] >= 2 and at["open"] > at["closed"] + 20, at

@@ -4,7 +4,9 @@ stack trace.
 A user file is any file outside torch and gradprobe, gradprobe's zoo included (reference models
 written like user code), and FX's generated code (``<eval_with_key>``: a traced graph replayed).
 Python's standard library is never the user's frame of a failure (a ``contextlib`` wrapper is not
-where the user's code went wrong).
+where the user's code went wrong), nor is the import machinery (``<frozen importlib._bootstrap>``,
+any ``<frozen ...>`` module, ``importlib``): an import that failed is reported where the user's code
+imported, never at ``<frozen importlib._bootstrap>:1140``.
 """
 
 from __future__ import annotations
@@ -32,11 +34,21 @@ _FRAME = re.compile(
 )
 
 
+def is_import_machinery(path: str) -> bool:
+    """A frozen module (``<frozen importlib._bootstrap>``, ``<frozen runpy>``) or a file of ``importlib``:
+    Python's own machinery, never where the user's code is."""
+    path = path.replace("\\", "/")
+    return path.startswith("<frozen ") or "/importlib/" in path or "/importlib_metadata/" in path
+
+
 @functools.cache
 def is_user_file(path: str) -> bool:
-    """User code: outside torch and gradprobe, except the zoo (reference models written like user code)."""
+    """User code: outside torch and gradprobe, except the zoo (reference models written like user code);
+    never the import machinery."""
     if path.startswith(FX_CODE):
         return True
+    if is_import_machinery(path):
+        return False
     path = os.path.abspath(path)
     return path.startswith(_ZOO_DIR) or not path.startswith((TORCH_DIR, _OWN_DIR))
 
@@ -112,6 +124,8 @@ def user_frame_in_stack_trace(stack_trace: str | None) -> dict[str, Any] | None:
     for f in reversed([m.groupdict() for m in _FRAME.finditer(stack_trace)]):
         path = f["file"].replace("\\", "/")
         if "/torch/" in path or ("/gradprobe/" in path and "/gradprobe/zoo/" not in path):
+            continue
+        if is_import_machinery(path):
             continue
         return {"file": f["file"], "line": int(f["line"]), "function": f["function"].strip(),
                 "code": f["code"].strip()}  # fmt: skip

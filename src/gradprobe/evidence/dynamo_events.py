@@ -7,7 +7,9 @@ While a ``Watch`` is active, each window (a variant's build, each scenario's run
   and the failure type of a compile that raised;
 * cache hits and misses from the guard-complete hook (``torch._C._dynamo.eval_frame``): a hit means
   compiled code ran; a run with neither a hit nor a compile ran no compiled code at all;
-* graph breaks with dynamo's reasons (``counters["graph_break"]``).
+* graph breaks with dynamo's reasons (``counters["graph_break"]``), and per compiled frame the breaks
+  that made dynamo restart it (its ``restart_reasons``), each with its frame: the line where the frame
+  broke, read from the resume function dynamo compiled next (``torch_dynamo_resume_in_f_at_N``).
 
 Nothing here needs the path's cooperation; a counter or graph the path hands over only sharpens it.
 The hook is process-wide: the previous one is chained and put back when the watch ends.
@@ -16,12 +18,16 @@ The hook is process-wide: the previous one is chained and put back when the watc
 from __future__ import annotations
 
 import contextlib
+import linecache
+import os
 import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_(?P<line>\d+)$")
+BREAK_REASON_CHARS = 1200  # a graph break's reason as dynamo words it, explanation and hints included
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n\s*(?P<code>[^\n]*)')
 
 
@@ -77,10 +83,35 @@ def _compile_entry(m: Any) -> dict[str, Any]:
         "fail_reason": (m.fail_reason or "")[:400] or None,
         "graph_breaks": getattr(m, "num_graph_breaks", None),
         "reason": None,
+        "breaks": [
+            {"reason": str(r).strip()[:BREAK_REASON_CHARS]}
+            for r in sorted(getattr(m, "restart_reasons", None) or ())
+        ],
     }
     if reason:
         entry["reason"] = parse_reason(reason)
     return entry
+
+
+def _break_frames(compiles: list[dict[str, Any]]) -> None:
+    """Each graph break's frame: a frame that broke at line N is resumed by a function dynamo compiles
+    as ``torch_dynamo_resume_in_<name>_at_<N>``; a frame's breaks take, in order, the resume lines of
+    the same function and file past the frame's own start."""
+    resumes: dict[tuple[Any, str], list[int]] = {}
+    for c in compiles:
+        m = _RESUME.match(c.get("frame") or "")
+        if m:
+            resumes.setdefault((c.get("file"), m["name"]), []).append(int(m["line"]))
+    for c in compiles:
+        if not c.get("breaks") or not c.get("frame"):
+            continue
+        m = _RESUME.match(c["frame"])
+        name, start = (m["name"], int(m["line"])) if m else (c["frame"], c.get("line") or 0)
+        lines = sorted(n for n in resumes.get((c.get("file"), name), ()) if n > start)
+        for b, line in zip(c["breaks"], lines or [None] * len(c["breaks"]), strict=False):
+            b.update(file=c.get("file"), function=name, line=line if line is not None else c.get("line"))
+            if b["file"] and b["line"] and os.path.exists(b["file"]):
+                b["code"] = linecache.getline(b["file"], b["line"]).strip()
 
 
 def _find_hook_setter() -> Any:
@@ -147,6 +178,7 @@ class Watch:
                 window.compiles = [
                     _compile_entry(m) for m in utils.get_compilation_metrics() if id(m) not in seen
                 ]
+                _break_frames(window.compiles)
                 window.graph_breaks = {
                     reason.strip().splitlines()[0][:300]: n - breaks.get(reason, 0)
                     for reason, n in utils.counters["graph_break"].items()
