@@ -31,6 +31,7 @@ REPORT_MAY_IMPORT = {
     "gradprobe.declarations",
     "gradprobe.wording",
     "gradprobe.claims",
+    "gradprobe.frames",  # which file names are the user's (a saved "where" inside importlib is never shown)
 }
 CAUSES_MAY_IMPORT = {
     "gradprobe.flowmap",
