@@ -163,9 +163,14 @@ def test_gradprobe_run_takes_a_deepmd_input_json(tmp_path, capsys) -> None:  # t
     write_synthetic_system(tmp_path / "data" / "water")
     config = se_e2_a_config("data/water", workdir=tmp_path)  # relative to the input file, as DeePMD reads it
     (tmp_path / "input.json").write_text(json.dumps(config))
-    assert main(["run", str(tmp_path / "input.json"), "--variants", "uncompiled"]) == 0
+    saved = tmp_path / "fm.json"
+    argv = ["run", str(tmp_path / "input.json"), "--variants", "uncompiled", "--check", "backends"]
+    assert main([*argv, "--json", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "deepmd:uncompiled" in out and "energy only:           22/22" in out
+    # DeePMD's own checks from the command line: its metrics always, pt vs pt_expt when asked for.
+    checks = json.loads(saved.read_text())["checks"]
+    assert checks["metrics"]["passed"] and checks["backends"]["passed"], checks
 
 
 def test_the_trainer_is_left_as_found(adapter: DeepmdAdapter) -> None:

@@ -597,6 +597,7 @@ class DeepmdAdapter:
         self.compile_options = dict(compile_options or {})  # training.compile_options (inductor options)
         self._batches: list[Any] = []
         self._notes: dict[str, str] = _output_bias_notes(self.model)
+        self.metrics_by_default = True  # check_metrics in every probe (one forward)
 
     # construction -------------------------------------------------------------------------------
 
@@ -943,28 +944,35 @@ class DeepmdAdapter:
         from ..trainer import probe_trainer
 
         knobs = {k: v for k, v in (("detach", detach), ("backend", backend)) if v is not None}
-        fm = probe_trainer(
-            self,
-            configurations=configurations,
-            knobs={"compiled": knobs},
-            diagnose=diagnose,
-            checks=[c for c in checks if c not in ADAPTER_CHECKS],
-            **spec_fields,
-        )
-        return self._with_own_checks(fm, metrics=metrics, backends="backends" in checks)
+        default, self.metrics_by_default = self.metrics_by_default, metrics
+        try:
+            return probe_trainer(
+                self,
+                configurations=configurations,
+                knobs={"compiled": knobs},
+                diagnose=diagnose,
+                checks=checks,
+                **spec_fields,
+            )
+        finally:
+            self.metrics_by_default = default
 
-    def _with_own_checks(self, fm: FlowMap, *, metrics: bool, backends: bool) -> FlowMap:
-        """The map with DeePMD's own checks added (``checks["metrics"]``, ``checks["backends"]``) and
-        its findings read again from the whole evidence. A check that raises is recorded as one that
-        could not run."""
+    own_checks = ADAPTER_CHECKS
+
+    def add_own_checks(self, fm: FlowMap, checks: Sequence[str]) -> FlowMap:
+        """The map with DeePMD's own checks added (``checks["metrics"]``: always, unless
+        ``metrics_by_default`` is off and it is not asked for; ``checks["backends"]`` when asked for) and
+        its findings read again from the whole evidence. ``probe_trainer`` (and so ``gradprobe run
+        input.json --check backends``) calls it. A check that raises is recorded as one that could not run."""
         import importlib
 
         import msgspec
 
         added: dict[str, Any] = {}
+        metrics = self.metrics_by_default or "metrics" in checks
         for name, on, run in (
             ("metrics", metrics, self.check_metrics),
-            ("backends", backends, self.compare_backends),
+            ("backends", "backends" in checks, self.compare_backends),
         ):
             if not on:
                 continue
