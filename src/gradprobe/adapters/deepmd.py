@@ -262,7 +262,9 @@ def documented_metrics(
         else:
             k = 2 if data.get("intensive_ener_virial") else 1
             scale = {"energy": natoms**-k, "force": 1.0, "virial": natoms**-k}
-            out["rmse"] = math.sqrt(sum(prefs[t] * mse[t] * scale[t] for t in prefs if t in mse))
+            # A term counts where its label is there (DeePMD's find_* switch): it multiplies the prefactor.
+            found = {t: float(labels.get(f"find_{t}", 1.0)) for t in prefs}
+            out["rmse"] = math.sqrt(sum(prefs[t] * found[t] * mse[t] * scale[t] for t in prefs if t in mse))
     return out
 
 
@@ -397,10 +399,10 @@ def compare_backends(adapter: DeepmdAdapter, batch: Any) -> dict[str, Any]:
     """``DeepmdAdapter.compare_backends``: pt_expt (a copy of the probed model) against pt
     (``deserialize()`` of its ``serialize()``) on ``batch``."""
     from deepmd.pt.loss import EnergyStdLoss
-    from deepmd.pt.model.model import EnergyModel as PtEnergyModel
+    from deepmd.pt.model.model import BaseModel as PtModel
 
     reference = copy.deepcopy(adapter.model)
-    other = PtEnergyModel.deserialize(adapter.model.serialize())
+    other = PtModel.deserialize(adapter.model.serialize())  # pt's class for the serialized model type
     inputs = adapter.inputs(batch)
     labels = adapter._all_on(batch, inputs)
     natoms = int(inputs["atype"].shape[-1])
@@ -911,8 +913,14 @@ class DeepmdAdapter:
         its options stay within the documented MSE definition."""
         loss = self.loss_fn
         data = loss.serialize() if hasattr(loss, "serialize") else {}
-        schedule = self.prefactor_schedule() or {}
-        return {"prefactors": dict(schedule.get("now") or {}), "serialized": data}
+        start_lr = data.get("starter_learning_rate")
+        prefs: dict[str, float] = {}
+        short = {"energy": "e", "force": "f", "virial": "v"}
+        for t in TERMS:  # every term the loss computes, probed or not: the aggregate rmse holds them all
+            start, limit = data.get(f"start_pref_{short[t]}"), data.get(f"limit_pref_{short[t]}")
+            if start_lr and start is not None and limit is not None and (start or limit):
+                prefs[t] = float(limit + (start - limit) * self.cur_lr / start_lr)
+        return {"prefactors": prefs, "serialized": data}
 
     def compare_backends(self, batch: Any = None) -> dict[str, Any]:
         """DeePMD's ``pt`` backend against ``pt_expt`` on the same weights and batch: the model moved by
