@@ -422,6 +422,7 @@ def test_an_rmse_v_fault_in_deepmds_shared_loss_is_named_with_the_factor_natoms(
     )
     assert f"the factor is natoms = {natoms}" in f.message and "rmse_v reported by pt_expt" in f.message
     assert fm.checks["metrics"]["paths"]["pt_expt"]["rmse_e"]["passed"]  # only rmse_v is off
+    assert f"rmse_v ×{natoms}" in render(fm)
     assert _errors_of(fm) == {"norm-mismatch"}, render(fm)
 
 
@@ -441,7 +442,10 @@ def test_pt_and_pt_expt_agree_on_the_healthy_model(adapter: DeepmdAdapter) -> No
     # Each backend's own loss against the documented definitions: both agree with them.
     assert result["metrics"]["passed"] and set(result["metrics"]["paths"]) == {"pt_expt", "pt"}
     assert not [f for f in fm.findings if f.cause in ("backends-differ", "norm-mismatch")]
-    assert not fm.errors(), render(fm)
+    out = render(fm)
+    assert "backends, pt vs pt_expt (serialize()/deserialize()): PASS" in out, out
+    assert "metrics vs their documented definitions (natoms 6, within 1e-06): PASS" in out, out
+    assert not fm.errors(), out
     after = adapter.model.state_dict()  # measured on copies: the probed model is as it was
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in adapter.model.parameters())
