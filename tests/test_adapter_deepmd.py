@@ -451,6 +451,18 @@ def test_pt_and_pt_expt_agree_on_the_healthy_model(adapter: DeepmdAdapter) -> No
     assert all(p.grad is None for p in adapter.model.parameters())
 
 
+def test_a_float32_model_is_compared_at_float32_tolerances(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gradprobe.adapters.deepmd import FLOAT32_RTOLS
+
+    system = write_synthetic_system(tmp_path / "s")
+    ad = DeepmdAdapter.from_config(se_e2_a_config(system, workdir=tmp_path, precision="float32"))
+    result = ad.compare_backends()
+    assert (result["rtol_outputs"], result["rtol_grads"]) == FLOAT32_RTOLS
+    assert result["passed"] and result["metrics"]["passed"] and ad.check_metrics()["passed"], result[
+        "failures"
+    ]
+
+
 def test_a_fault_in_pts_force_fold_is_named_backends_differ(
     adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
