@@ -423,6 +423,15 @@ def test_an_rmse_v_fault_in_deepmds_shared_loss_is_named_with_the_factor_natoms(
     assert f"the factor is natoms = {natoms}" in f.message and "rmse_v reported by pt_expt" in f.message
     assert fm.checks["metrics"]["paths"]["pt_expt"]["rmse_e"]["passed"]  # only rmse_v is off
     assert f"rmse_v ×{natoms}" in render(fm)
+    # The claim rests on the recorded check: on other evidence it no longer holds.
+    import msgspec
+
+    from gradprobe.claims import holds
+
+    (c,) = f.claims
+    assert c.kind == "metric_recomputed" and holds(fm, c)
+    other = {**fm.checks["metrics"], "natoms": natoms + 1}
+    assert not holds(msgspec.structs.replace(fm, checks={**fm.checks, "metrics": other}), c)
     assert _errors_of(fm) == {"norm-mismatch"}, render(fm)
 
 
@@ -492,4 +501,8 @@ def test_a_fault_in_pts_force_fold_is_named_backends_differ(
     # pt's rmse_f follows its forces: 2% off the documented definition from pt_expt's outputs, but pt's
     # loss reports it right for the forces pt computed.
     assert result["metrics"]["paths"]["pt"]["rmse_f"]["passed"]
+    from gradprobe.claims import holds
+
+    assert [c.kind for c in f.claims] == ["backend_output", "backend_grad", "check"]
+    assert all(holds(fm, c) for c in f.claims)
     assert _errors_of(fm) == {"backends-differ"}, render(fm)
