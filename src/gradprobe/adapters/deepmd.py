@@ -278,7 +278,7 @@ def _reported(more: Mapping[str, Any] | None) -> dict[str, float]:
 
 def _metric_rtol(model: torch.nn.Module) -> float:
     """Float noise of a recomputed metric: sums in another order, and normalisation constants DeePMD
-    may hold in float32 (its pt backend's per-frame ``1/natoms``, squared in float32, puts its rmse_e and
+    may hold in float32 (its pt backend's per-frame ``1/natoms`` from the float32 ``mask``, squared, puts its rmse_e and
     rmse_v 3.7e-8 above the definition on a float64 model; measured on 3.2.0)."""
     dtype = next((p.dtype for p in model.parameters()), torch.float64)
     return 1e-6 if dtype == torch.float64 else 1e-4
