@@ -80,6 +80,10 @@ def test_uncompiled_flow(adapter: DeepmdAdapter) -> None:
         assert unreached == set(OUTPUT_BIASES)
     assert set(adapter.notes) == set(OUTPUT_BIASES)  # explained in the report, not left as a mystery
     assert "per-type energy constant" in render(fm)
+    # DeePMD's reported metrics agree with gradprobe's recomputation by the documented definitions.
+    metrics = fm.checks["metrics"]
+    assert metrics["passed"] and metrics["natoms"] == 6, metrics
+    assert set(metrics["paths"]["pt_expt"]) == {"rmse_e", "rmse_f", "rmse_v", "rmse"}
     assert not fm.errors()
 
 
@@ -159,9 +163,14 @@ def test_gradprobe_run_takes_a_deepmd_input_json(tmp_path, capsys) -> None:  # t
     write_synthetic_system(tmp_path / "data" / "water")
     config = se_e2_a_config("data/water", workdir=tmp_path)  # relative to the input file, as DeePMD reads it
     (tmp_path / "input.json").write_text(json.dumps(config))
-    assert main(["run", str(tmp_path / "input.json"), "--variants", "uncompiled"]) == 0
+    saved = tmp_path / "fm.json"
+    argv = ["run", str(tmp_path / "input.json"), "--variants", "uncompiled", "--check", "backends"]
+    assert main([*argv, "--json", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "deepmd:uncompiled" in out and "energy only:           22/22" in out
+    # DeePMD's own checks from the command line: its metrics always, pt vs pt_expt when asked for.
+    checks = json.loads(saved.read_text())["checks"]
+    assert checks["metrics"]["passed"] and checks["backends"]["passed"], checks
 
 
 def test_the_trainer_is_left_as_found(adapter: DeepmdAdapter) -> None:
@@ -352,3 +361,148 @@ def test_balance_is_judged_at_the_prefactors_of_deepmds_schedule(adapter: Deepmd
             dominated["virial"].severity == "warning" and "still drowned there" in dominated["virial"].message
         )
     assert not fm.errors(), render(fm)
+
+
+# ---- DeePMD's metrics by their documented definitions; the pt backend against pt_expt (issue 33 item 4) ----
+
+
+def test_deepmds_metrics_are_recomputed_by_the_documented_definitions(adapter: DeepmdAdapter) -> None:
+    from gradprobe.adapters.deepmd import documented_metrics
+
+    result = adapter.check_metrics()
+    rows = result["paths"]["pt_expt"]
+    assert result["passed"] and set(rows) == {"rmse_e", "rmse_f", "rmse_v", "rmse"}, result
+    assert all(abs(r["factor"] - 1.0) < 1e-12 for r in rows.values()), rows
+    # The definitions themselves, on numbers worked by hand: 2 frames of 4 atoms.
+    pred = {"energy": torch.tensor([[3.0], [1.0]]), "force": torch.ones(2, 4, 3), "virial": torch.zeros(2, 9)}
+    labels = {
+        "energy": torch.tensor([[1.0], [1.0]]),
+        "force": torch.zeros(2, 12),
+        "virial": torch.full((2, 9), 2.0),
+    }
+    ours = documented_metrics(pred, labels, natoms=4)
+    assert ours == pytest.approx({"rmse_e": (2.0**0.5) / 4, "rmse_f": 1.0, "rmse_v": 2.0 / 4})
+
+
+def test_the_aggregate_rmse_holds_every_term_the_loss_computes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Virial probed or not: with virial labels in the data, DeePMD's loss (and so its rmse) holds it.
+    system = write_synthetic_system(tmp_path / "s", with_virial=True)
+    ad = DeepmdAdapter.from_config(se_e2_a_config(system, workdir=tmp_path), terms=["energy", "force"])
+    result = ad.check_metrics()
+    assert result["passed"] and "rmse" in result["paths"]["pt_expt"], result
+
+
+def test_an_rmse_v_fault_in_deepmds_shared_loss_is_named_with_the_factor_natoms(
+    adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The seed's bug in its real form: rmse_v not divided by the atom count, in the loss that both of
+    # pt_expt's paths share (3.2.0 has the fix: injected here).
+    from deepmd.dpmodel.loss.ener import EnergyLoss
+
+    call = EnergyLoss.call
+
+    def unnormalised(self, learning_rate, natoms, model_dict, label_dict, *args, **kwargs):  # type: ignore[no-untyped-def]
+        loss, more = call(self, learning_rate, natoms, model_dict, label_dict, *args, **kwargs)
+        if "rmse_v" in more:
+            more["rmse_v"] = more["rmse_v"] * natoms  # the bug: sqrt(mse_v), not sqrt(mse_v) / natoms
+        return loss, more
+
+    monkeypatch.setattr(EnergyLoss, "call", unnormalised)
+    fm = adapter.probe(backend="eager")  # DeePMD's compiled path, the cheapest backend
+    # Both paths report the same wrong value: comparing them sees nothing ...
+    assert fm.run("deepmd:compiled[backend=eager]", "all").metrics["rmse_v"] == pytest.approx(
+        fm.run("deepmd:uncompiled", "all").metrics["rmse_v"]
+    )
+    # ... the documented definition does.
+    (f,) = [f for f in fm.findings if f.cause == "norm-mismatch"]
+    natoms = adapter.batch()["atype"].shape[-1]
+    assert f.evidence["metric"] == "rmse_v" and f.evidence["path"] == "pt_expt" and f.severity == "error"
+    assert (
+        f.evidence["factor"] == pytest.approx(natoms) and f.evidence["factor_named"] == f"natoms = {natoms}"
+    )
+    assert f"the factor is natoms = {natoms}" in f.message and "rmse_v reported by pt_expt" in f.message
+    assert fm.checks["metrics"]["paths"]["pt_expt"]["rmse_e"]["passed"]  # only rmse_v is off
+    assert f"rmse_v ×{natoms}" in render(fm)
+    # The claim rests on the recorded check: on other evidence it no longer holds.
+    import msgspec
+
+    from gradprobe.claims import holds
+
+    (c,) = f.claims
+    assert c.kind == "metric_recomputed" and holds(fm, c)
+    other = {**fm.checks["metrics"], "natoms": natoms + 1}
+    assert not holds(msgspec.structs.replace(fm, checks={**fm.checks, "metrics": other}), c)
+    assert _errors_of(fm) == {"norm-mismatch"}, render(fm)
+
+
+def test_pt_and_pt_expt_agree_on_the_healthy_model(adapter: DeepmdAdapter) -> None:
+    from gradprobe.adapters.deepmd import GRAD_RTOL, OUTPUT_RTOL
+
+    before = {k: v.clone() for k, v in adapter.model.state_dict().items()}
+    fm = adapter.probe(configurations=["uncompiled"], checks=["backends"])
+    result = fm.checks["backends"]
+    assert result["passed"], result["failures"]
+    assert set(result["outputs"]) == {"energy", "force", "virial"}
+    assert all(e <= OUTPUT_RTOL for e in result["outputs"].values()), result["outputs"]
+    for term in ("energy", "force", "virial"):
+        g = result["grads"][term]
+        assert len(g["variables"]) == 22 and g["max_rel_error"] <= GRAD_RTOL, (term, g["max_rel_error"])
+    assert result["unmatched"] == []
+    # Each backend's own loss against the documented definitions: both agree with them.
+    assert result["metrics"]["passed"] and set(result["metrics"]["paths"]) == {"pt_expt", "pt"}
+    assert not [f for f in fm.findings if f.cause in ("backends-differ", "norm-mismatch")]
+    out = render(fm)
+    assert "backends, pt vs pt_expt (serialize()/deserialize()): PASS" in out, out
+    assert "metrics vs their documented definitions (natoms 6, within 1e-06): PASS" in out, out
+    assert not fm.errors(), out
+    after = adapter.model.state_dict()  # measured on copies: the probed model is as it was
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in adapter.model.parameters())
+
+
+def test_a_float32_model_is_compared_at_float32_tolerances(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gradprobe.adapters.deepmd import FLOAT32_RTOLS
+
+    system = write_synthetic_system(tmp_path / "s")
+    ad = DeepmdAdapter.from_config(se_e2_a_config(system, workdir=tmp_path, precision="float32"))
+    result = ad.compare_backends()
+    assert (result["rtol_outputs"], result["rtol_grads"]) == FLOAT32_RTOLS
+    assert result["passed"] and result["metrics"]["passed"] and ad.check_metrics()["passed"], result[
+        "failures"
+    ]
+
+
+def test_a_fault_in_pts_force_fold_is_named_backends_differ(
+    adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    import deepmd.pt.model.model.make_model  # noqa: F401
+
+    module = sys.modules["deepmd.pt.model.model.make_model"]
+    fold = module.communicate_extended_output
+
+    def scaled(model_ret, model_output_def, mapping, do_atomic_virial=False):  # type: ignore[no-untyped-def]
+        out = fold(model_ret, model_output_def, mapping, do_atomic_virial)
+        out["energy_derv_r"] = out["energy_derv_r"] * 0.98  # the fault: pt's forces 2% short
+        return out
+
+    monkeypatch.setattr(module, "communicate_extended_output", scaled)
+    fm = adapter.probe(configurations=["uncompiled"], checks=["backends", "physics"])
+    result = fm.checks["backends"]
+    assert not result["passed"]
+    (f,) = [f for f in fm.findings if f.cause == "backends-differ"]
+    assert f.severity == "error" and f.evidence["other"] == "pt" and f.evidence["reference"] == "pt_expt"
+    assert set(f.evidence["outputs"]) == {"force"}  # energy and virial agree
+    assert f.evidence["outputs"]["force"] == pytest.approx(0.02, rel=1e-6)
+    assert "pt's force differs from pt_expt's by 0.02 of its scale" in f.message
+    assert set(f.evidence["grads"]) == {"force"} and f.evidence["grads"]["force"] > 1e-3
+    assert "pt_expt passes its own physics check" in f.message  # the reference's forces are -dE/dx
+    # pt's rmse_f follows its forces: 2% off the documented definition from pt_expt's outputs, but pt's
+    # loss reports it right for the forces pt computed.
+    assert result["metrics"]["paths"]["pt"]["rmse_f"]["passed"]
+    from gradprobe.claims import holds
+
+    assert [c.kind for c in f.claims] == ["backend_output", "backend_grad", "check"]
+    assert all(holds(fm, c) for c in f.claims)
+    assert _errors_of(fm) == {"backends-differ"}, render(fm)

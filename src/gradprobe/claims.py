@@ -761,3 +761,50 @@ def scaled_cells(fm: FlowMap, variant: str, scenario: str, factor: float, tol: f
         and abs(cells[p].rel_error - want) <= tol
         for p in ref
     )
+
+
+# ----- predicates of a trainer's own checks (DeePMD: its metrics recomputed, its two backends) ----------
+
+
+@_predicate
+def metric_recomputed(
+    fm: FlowMap, check: str, path: str, metric: str, factor: float, natoms: int | None = None
+) -> bool:
+    """In that check the metric ``path`` reports is ``factor`` times gradprobe's recomputation of it by
+    the documented definition, beyond the check's tolerance (and the batch had ``natoms`` atoms)."""
+    result = fm.checks[check]
+    metrics = result["metrics"] if check == "backends" else result
+    row = metrics["paths"][path][metric]
+    if natoms is not None and metrics.get("natoms") != natoms:
+        return False
+    got, want = float(row["reported"]), float(row["recomputed"])
+    return (
+        not row["passed"]
+        and want != 0.0
+        and abs(got - want) > float(metrics["rtol"]) * max(abs(got), abs(want))
+        and abs(got / want - factor) <= 1e-6 * abs(factor)
+    )
+
+
+def _backends(fm: FlowMap) -> Mapping[str, Any]:
+    return fm.checks["backends"]
+
+
+@_predicate
+def backend_output(fm: FlowMap, output: str, at_least: float) -> bool:
+    """The other backend's ``output`` (energy, force, virial) differs from the reference backend's on the
+    same weights and batch by at least that (relative to its scale)."""
+    return not float(_backends(fm)["outputs"][output]) <= at_least * 0.999
+
+
+@_predicate
+def backend_grad(fm: FlowMap, term: str, variable: str, at_least: float) -> bool:
+    """The gradient of ``term`` along that serialized variable differs between the backends by at least
+    that (relative to the variable's gradient, floored at a millionth of the term's largest)."""
+    return not float(_backends(fm)["grads"][term]["variables"][variable]) <= at_least * 0.999
+
+
+@_predicate
+def backend_unmatched(fm: FlowMap, variables: list[str]) -> bool:
+    """Those serialized variables are trainable in one backend only."""
+    return bool(variables) and _sub(variables, _backends(fm).get("unmatched") or ())

@@ -95,7 +95,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="CHECKS",
         help="verification checks, comma-separated or repeated: physics (forces/virial vs finite differences), "
         "shapes (traced variants on a batch of other shapes), training (a few optimizer steps per term on a "
-        "copy), balance (how the terms' gradients compare and conflict)",
+        "copy), balance (how the terms' gradients compare and conflict); a trainer adapter's own: for a DeePMD "
+        "input, backends (pt against pt_expt; DeePMD's metrics are always checked)",
     )
     p.add_argument(
         "--quiet",

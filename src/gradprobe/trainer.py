@@ -204,7 +204,9 @@ def probe_trainer(
 ) -> FlowMap:
     """Probe the trainer's configurations against its reference (first) configuration.
 
-    ``progress``, ``compiler_bisect``: as in ``probe()``.
+    ``progress``, ``compiler_bisect``: as in ``probe()``. An adapter may run checks of its own (named in
+    ``adapter.own_checks``; ``adapter.add_own_checks(fm, checks)`` returns the map with them and its
+    findings read again): DeePMD's metrics and backends.
 
     >>> # fm = probe_trainer(DeepmdAdapter.from_config(config), diagnose=True); print(render(fm))
     """
@@ -216,7 +218,10 @@ def probe_trainer(
         with stage("the trainer's model and batch"):
             variants = trainer_variants(adapter, configurations, knobs)
             spec = trainer_spec(adapter, **spec_fields)
-        return run_probe(spec, variants, variants[0].name, diagnose, tuple(checks))
+        own = tuple(getattr(adapter, "own_checks", ()))
+        fm = run_probe(spec, variants, variants[0].name, diagnose, tuple(c for c in checks if c not in own))
+        add = getattr(adapter, "add_own_checks", None)
+        return add(fm, [c for c in checks if c in own]) if add is not None else fm
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from ..flowmap import Finding, FlowMap
 from . import (
     backend_drops,
+    backends_differ,
     balance_causes,
     consistency_failed,
     create_graph_strides,
@@ -72,6 +73,7 @@ SPECIFIC: tuple[Callable[[FlowMap], list[Finding]], ...] = (
     second_batch.detect,
     ghost_force_slice.detect,
     norm_mismatch.detect,
+    backends_differ.detect,
     shape_locked.detect,
     balance_causes.detect,
     failed_checks.detect,

@@ -25,7 +25,79 @@ SCALE_TOL = 1e-3
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    return _terms(fm) + _metrics(fm)
+    return _terms(fm) + _metrics(fm) + _recomputed(fm)
+
+
+_POWERS = ((1.0, "natoms"), (-1.0, "1/natoms"), (2.0, "natoms²"), (-2.0, "1/natoms²"), (0.5, "√natoms"),
+           (-0.5, "1/√natoms"))  # fmt: skip
+
+
+def factor_words(factor: float, natoms: int | None) -> str:
+    """'natoms = 6' when the factor is a power of the atom count (the usual per-atom slip), else ''."""
+    if not natoms or natoms < 2:
+        return ""
+    for k, name in _POWERS:
+        if abs(factor - natoms**k) <= 1e-6 * natoms**k:
+            return f"{name} = {natoms**k:.6g}" if name != "natoms" else f"natoms = {natoms}"
+    return ""
+
+
+def _recomputed(fm: FlowMap) -> list[Finding]:
+    """A metric a trainer reports (DeePMD's rmse_e/f/v, rmse) that differs from gradprobe's own
+    recomputation by the documented definition, from the same call's outputs and labels
+    (``checks["metrics"]``; per backend in ``checks["backends"]["metrics"]``). Paths of one backend share
+    its loss: comparing them cannot see this; the definition can."""
+    findings: list[Finding] = []
+    seen: set[tuple[str, str]] = set()
+    for check in ("metrics", "backends"):
+        result = fm.checks.get(check)
+        if not isinstance(result, dict) or result.get("error"):
+            continue
+        metrics = result.get("metrics") if check == "backends" else result
+        if not isinstance(metrics, dict):
+            continue
+        natoms = metrics.get("natoms")
+        for path, rows in (metrics.get("paths") or {}).items():
+            for metric, row in rows.items():
+                if row.get("passed", True) or (path, metric) in seen or not row.get("recomputed"):
+                    continue
+                factor = float(row["reported"]) / float(row["recomputed"])
+                if not math.isfinite(factor):
+                    continue
+                seen.add((path, metric))
+                named = factor_words(factor, natoms)
+                definition = (metrics.get("definitions") or {}).get(metric, "the documented definition")
+                claims = (
+                    claim("metric_recomputed", f"{metric} reported by {path} is {factor:.6g}× its recomputation by "
+                          f"the documented definition ({definition}) from the same call's outputs and labels"
+                          + (f", on a batch of {natoms} atoms" if named else ""),
+                          check=check, path=path, metric=metric, factor=factor,
+                          **({"natoms": natoms} if named else {})),
+                )  # fmt: skip
+                findings.append(
+                    Finding(
+                        CAUSE,
+                        "error",
+                        f"{claims[0].text}: the factor is {named or f'{factor:.6g}'}; {path}'s loss normalises "
+                        f"{metric} otherwise than documented, and every path that shares that loss reports it so "
+                        "(comparing those paths cannot see it)",
+                        evidence={
+                            "check": check,
+                            "path": path,
+                            "metric": metric,
+                            "factor": factor,
+                            "factor_named": named,
+                            "natoms": natoms,
+                            "reported": row["reported"],
+                            "recomputed": row["recomputed"],
+                        },
+                        location={"check": check, "path": path, "metric": metric},
+                        claims=claims,
+                        fix=f"normalise {metric} as documented ({definition}) in {path}'s loss"
+                        + (f": its value is off by {named}" if named else ""),
+                    )
+                )
+    return findings
 
 
 def _constant_ratio(pairs: list[tuple[float | None, float | None]]) -> float | None:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from io import StringIO
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap, RunError
@@ -662,7 +662,7 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
             )
             + _assemble("; ").join(parts)
         )
-    for name in ("physics", "balance", "training"):  # a check that raised: its error, nothing else
+    for name in ("physics", "balance", "training", "metrics", "backends"):  # a check that raised: its error
         result = checks.get(name)
         if isinstance(result, dict) and result.get("error"):
             lines.append(f"{name}: could not run — {result['error']}")
@@ -708,6 +708,7 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
             )
         )
         lines.extend(f"  {failure}" for failure in r["failures"])
+    lines.extend(_trainer_check_lines(checks))
     for v, entry in (checks.get("shape_sweep") or {}).items():
         result = entry["error"] or (
             f"{len(entry['mismatched'])} gradient(s) differ" if entry["mismatched"] else "matches eager"
@@ -748,6 +749,51 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
             lines.append(
                 f"  {v}: " + ", ".join(f"{term} {verdict}" for term, verdict in verdicts.items()) + tail
             )
+    return lines
+
+
+def _metric_parts(metrics: dict[str, Any]) -> list[str]:
+    """'pt_expt rmse_e ×1, ..., rmse_v ×6' : each path's reported metrics over the recomputed ones."""
+    return [
+        f"{path} " + ", ".join(f"{m} ×{r['factor']:.6g}" for m, r in rows.items())
+        for path, rows in (metrics.get("paths") or {}).items()
+        if rows
+    ]
+
+
+def _trainer_check_lines(checks: dict[str, Any]) -> list[Any]:
+    """A trainer adapter's own checks (DeePMD): its metrics against the documented definitions, and
+    its two backends on the same weights."""
+    lines: list[Any] = []
+    m = checks.get("metrics")
+    if isinstance(m, dict) and not m.get("error"):
+        lines.append(
+            _assemble(
+                f"metrics vs their documented definitions (natoms {m.get('natoms')}, within {m['rtol']:g}): ",
+                PASS if m["passed"] else FAIL,
+                " — reported/recomputed: " + "; ".join(_metric_parts(m)),
+            )
+        )
+    b = checks.get("backends")
+    if isinstance(b, dict) and not b.get("error"):
+        parts = [
+            "outputs "
+            + ", ".join(f"{k} {e:.2g}" for k, e in b["outputs"].items())
+            + f" (<= {b['rtol_outputs']:g})",
+            "gradients per serialized variable "
+            + ", ".join(f"{t} {g['max_rel_error']:.2g}" for t, g in b["grads"].items())
+            + f" (<= {b['rtol_grads']:g})",
+        ]
+        if b.get("metrics"):
+            parts.append("metrics " + "; ".join(_metric_parts(b["metrics"])))
+        lines.append(
+            _assemble(
+                f"backends, {b['other']} vs {b['reference']} ({b['via']}): ",
+                PASS if b["passed"] else FAIL,
+                " — " + ", ".join(parts),
+            )
+        )
+        lines.extend(f"  {failure}" for failure in b.get("failures") or ())
     return lines
 
 
