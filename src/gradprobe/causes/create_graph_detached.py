@@ -103,6 +103,10 @@ def _finding(
         said.append(
             "the path's own forces pass the physics check: the values are right, only their graph is gone"
         )
+    bis = fm.bisection(v) or {}
+    if bis.get("summary"):
+        claims.append(claim("bisected", f"bisect: {bis['summary']}", variant=v, summary=bis["summary"]))
+        said.append(f"bisect: {bis['summary']}")
     traced = [t for t in call.get("traced_functions") or () if t.get("grad_off") and t.get("applied_at")]
     candidates = []
     for t in traced[:3]:
