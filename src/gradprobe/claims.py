@@ -399,7 +399,7 @@ def grad_call(
 ) -> bool:
     """In each of those runs of the path (or in one of its windows, ``scenarios`` None), an
     ``autograd.grad(create_graph=True)`` at that line, with grad mode on and its outputs carrying a graph,
-    returned a result that carried one (``graph``) or none."""
+    returned a result that carried one (``graph``) or none (and was not all None or zeros)."""
 
     def hit(c: Mapping[str, Any]) -> bool:
         return (
@@ -408,6 +408,7 @@ def grad_call(
             and bool(c.get("grad_enabled"))
             and bool(c.get("outputs_graph"))
             and bool(c.get("result_graph")) == graph
+            and (graph or bool(c.get("result_nonzero")))
         )
 
     windows = _grad_calls(fm, variant, scenarios)

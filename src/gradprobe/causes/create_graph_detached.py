@@ -28,6 +28,9 @@ def _detached(call: dict[str, Any]) -> bool:
         and call.get("grad_enabled")
         and call.get("outputs_graph")
         and not call.get("result_graph")
+        and call.get(
+            "result_nonzero"
+        )  # None or zeros: an input the outputs never used (requires-grad-placement)
         and call.get("file")
         and call.get("line") is not None
     )

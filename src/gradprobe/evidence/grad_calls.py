@@ -11,7 +11,8 @@ whatever was installed before and put back after; the wrapper is kept out of dyn
 on ``autograd.grad`` (``trace_autograd_ops=False``), so the call runs in Python and is seen; a call dynamo
 traces into its graph is not seen (and is not the case here).
 
-For a result that came back without a graph, the autograd graph it differentiated is walked for custom
+For a result that came back without a graph, whether it is non-zero (None or exact zeros are an input
+the outputs never used: another fault) and the autograd graph it differentiated is walked for custom
 ``autograd.Function`` nodes that ``torch.compile`` traced (their backward is an FX graph, dynamo's
 ``autograd_function_apply``): where that traced backward switches grad mode off, its second derivative
 is lost, and the line that applied the Function and the line of its ``backward`` are read from the
@@ -132,6 +133,7 @@ class GradCalls:
 
     def _record(self, outputs: Any, create_graph: bool, result: Any, frame: Any) -> None:
         import torch
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
 
         outs = [o for o in outputs if isinstance(o, torch.Tensor)]
         res = [r for r in result or () if isinstance(r, torch.Tensor)]
@@ -153,6 +155,10 @@ class GradCalls:
         if len(self.calls) >= MAX_CALLS:
             return
         if entry["grad_enabled"] and entry["outputs_graph"] and not entry["result_graph"]:
+            # A result of None or exact zeros (an input the outputs never used) is another fault: said
+            # apart. Read only outside any dispatch mode (never inside a trace).
+            if _get_current_dispatch_mode() is None:
+                entry["result_nonzero"] = any(bool(r.detach().ne(0).any()) for r in res)
             entry["traced_functions"] = traced_functions(outs)
         entry["calls"] = 1
         self.calls.append(entry)
