@@ -20,6 +20,7 @@ from ..flowmap import Finding, FlowMap
 from .common import Candidate, advice, has_run, runs_of, where
 
 CAUSE = "create-graph-detached"
+NO_PATH = "NoGradPath"  # measure.py: a scenario's total with no grad_fn
 
 
 def _detached(call: dict[str, Any]) -> bool:
@@ -52,8 +53,13 @@ def detect(fm: FlowMap) -> list[Finding]:
         first: dict[tuple[str, int], dict[str, Any]] = {}
         for s in fm.scenario_names:
             run = fm.run(v.name, s) if has_run(fm, v.name, s) else None
-            if run is None or not (run.error is not None or fm.differences(v.name, s)):
-                continue  # a detached result that changed nothing measured is not this finding's
+            # A detached result that changed nothing measured is not this finding's, nor a run that
+            # raised something else (another cause's signature).
+            if run is None or not (
+                (run.error is not None and run.error.type == NO_PATH)
+                or (run.error is None and fm.differences(v.name, s))
+            ):
+                continue
             for c in windows.get(s) or ():
                 if _detached(c):
                     key = (c["file"], c["line"])
