@@ -112,6 +112,13 @@ def test_forces_come_back_right_without_a_graph_and_the_call_is_named(detached: 
     assert {tuple(r) for r in f.evidence["runs"]} == {(v, "forces only"), (v, "all")}
 
 
+def test_the_recorder_leaves_the_compiled_path_as_it_is(detached: gradprobe.FlowMap) -> None:
+    # The wrapper around autograd's engine is kept out of dynamo: only the model's own frames compile.
+    runs = detached.evidence["dynamo"]["compile_model:eager"]["runs"]
+    files = {c["file"] for w in runs.values() for c in w["compiles"]}
+    assert files == {__file__}, files
+
+
 def test_the_generic_findings_do_not_repeat_it(detached: gradprobe.FlowMap) -> None:
     causes = {f.cause for f in detached.findings if f.severity == "error"}
     assert causes == {"create-graph-detached"}, causes
