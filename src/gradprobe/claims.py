@@ -383,6 +383,56 @@ def check_where(
     return _same_file(where.get("file"), file) and where.get("line") == line
 
 
+def _grad_calls(fm: FlowMap, variant: str, scenarios: list[str] | None) -> list[list[dict[str, Any]]]:
+    """Per window (those runs, or every window of the path), the ``autograd.grad(create_graph=True)``
+    calls dynamo's watch recorded (``evidence.grad_calls``)."""
+    d = (fm.evidence.get("dynamo") or {}).get(variant) or {}
+    runs = d.get("runs") or {}
+    if scenarios is None:
+        return [w.get("grad_calls") or [] for w in runs.values()]
+    return [(runs.get(s) or {}).get("grad_calls") or [] for s in scenarios]
+
+
+@_predicate
+def grad_call(
+    fm: FlowMap, variant: str, file: str, line: int, graph: bool, scenarios: list[str] | None = None
+) -> bool:
+    """In each of those runs of the path (or in one of its windows, ``scenarios`` None), an
+    ``autograd.grad(create_graph=True)`` at that line, with grad mode on and its outputs carrying a graph,
+    returned a result that carried one (``graph``) or none (and was not all None or zeros)."""
+
+    def hit(c: Mapping[str, Any]) -> bool:
+        return (
+            _same_file(c.get("file"), file)
+            and c.get("line") == line
+            and bool(c.get("grad_enabled"))
+            and bool(c.get("outputs_graph"))
+            and bool(c.get("result_graph")) == graph
+            and (graph or bool(c.get("result_nonzero")))
+        )
+
+    windows = _grad_calls(fm, variant, scenarios)
+    found = [any(hit(c) for c in w) for w in windows]
+    return bool(found) and (all(found) if scenarios is not None else any(found))
+
+
+@_predicate
+def traced_backward(
+    fm: FlowMap, variant: str, scenario: str, file: str, line: int, grad_off: bool = True
+) -> bool:
+    """Behind a create_graph call of that run whose result carried no graph, the autograd graph passes
+    through a custom ``autograd.Function`` applied at that line that torch.compile traced, its traced
+    backward switching grad mode off (``grad_off``) or not."""
+    return any(
+        _same_file((t.get("applied_at") or {}).get("file"), file)
+        and (t.get("applied_at") or {}).get("line") == line
+        and bool(t.get("grad_off")) == grad_off
+        for c in _grad_calls(fm, variant, [scenario])[0]
+        if not c.get("result_graph")
+        for t in c.get("traced_functions") or ()
+    )
+
+
 def _physics_of(fm: FlowMap, path: str) -> Mapping[str, Any]:
     return fm.checks["physics"] if path == fm.reference else fm.checks["physics_paths"][path]
 

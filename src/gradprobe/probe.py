@@ -269,6 +269,10 @@ def _measure_variants(state: _Probe) -> None:
     keep_ref = len(state.variants) > 1 or state.diagnose or "balance" in state.checks
     # Nothing but the flow map follows a lone variant: preserved() puts the settings back.
     alone = len(state.variants) == 1 and not state.diagnose and not state.checks
+    if any(not _is_plain_eager(v) for v in state.variants):
+        # Loaded before the reference runs, which a path will load anyway: the autograd.grad calls of
+        # every window, the reference's too, are recorded (evidence.grad_calls needs it loaded).
+        import torch._dynamo  # noqa: F401
     for variant in state.variants:
         state.measured.append(
             _measure(state, variant, keep=variant.name == state.reference and keep_ref, alone=alone)

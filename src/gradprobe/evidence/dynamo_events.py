@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .grad_calls import GradCalls
+
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_(?P<line>\d+)$")
 BREAK_REASON_CHARS = 1200  # a graph break's reason as dynamo words it, explanation and hints included
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n\s*(?P<code>[^\n]*)')
@@ -40,6 +42,7 @@ class Window:
     cache_hits: int = 0
     cache_misses: int = 0
     graph_breaks: dict[str, int] = field(default_factory=dict)
+    grad_calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ran_compiled(self) -> bool:
@@ -57,6 +60,7 @@ class Window:
             "cache_misses": self.cache_misses,
             "graph_breaks": self.graph_breaks,
             "ran_compiled": self.ran_compiled,
+            **({"grad_calls": self.grad_calls} if self.grad_calls else {}),
         }
 
 
@@ -169,9 +173,12 @@ class Watch:
         seen = {id(m) for m in utils.get_compilation_metrics()} if utils is not None else set()
         breaks = dict(utils.counters["graph_break"]) if utils is not None else {}
         outer, self._current = self._current, window
+        calls = GradCalls()
         try:
-            yield window
+            with calls.installed():
+                yield window
         finally:
+            window.grad_calls = calls.calls
             self._current = outer
             utils = sys.modules.get("torch._dynamo.utils")
             if utils is not None:
