@@ -17,6 +17,7 @@ tensor attribute edited in place).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,8 +144,10 @@ def _same_contents(container: Any, saved: Any) -> bool:
     """The same keys in the same order bound to the very same objects (never ``==`` on values: a
     tensor would compare element-wise); sets by their members."""
     if isinstance(container, dict):
-        return len(container) == len(saved) and all(
-            k1 is k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(container.items(), saved.items(), strict=True)
+        return (
+            len(container) == len(saved)
+            and all(map(operator.is_, container, saved))
+            and all(map(operator.is_, container.values(), saved.values()))
         )
     return container == saved
 
