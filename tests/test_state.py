@@ -541,6 +541,31 @@ def test_tensors_are_put_back_bit_for_bit(edit):
         assert p._version == versions[n], n
 
 
+@pytest.mark.parametrize("edit", ["large", "small", "both", "none"])
+def test_large_tensors_compared_alone_are_put_back_bit_for_bit(edit):
+    """Tensors large enough to be compared alone against their part of the saved copy (no second
+    concatenated copy at restore) are put back like the small ones, and only what the step wrote is
+    written: the others keep their version counters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 256), nn.Tanh(), nn.Linear(256, 300), nn.Tanh(), nn.Linear(300, 2))
+    assert model[0].weight.numel() >= 1 << 16 and model[2].weight.numel() >= 1 << 16
+    bits = {n: p.detach().clone().view(torch.int32) for n, p in model.named_parameters()}
+    versions = {n: p._version for n, p in model.named_parameters()}
+
+    def step(m, x):
+        if edit in ("large", "both"):
+            m[2].weight.data[7, 11] = -0.0  # behind the version counter, in the second large tensor
+        if edit in ("small", "both"):
+            m[4].bias.data.mul_(3)
+        y = m(x)
+        return {"a": y[:, 0].sum(), "b": y[:, 1].sum()}
+
+    gradprobe.probe(model, step, torch.randn(4, 300), progress=False)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int32), bits[n]), f"{n}: not bit for bit as before"
+        assert p._version == versions[n], n
+
+
 def test_cublas_reduced_precision_settings_are_put_back_with_their_split_k_flag():
     # cuBLAS keeps two flags per setting (reduced precision, split-k); the attribute sets both from
     # one bool. The probe reads and writes the pair, so a user's split-k choice survives a step that

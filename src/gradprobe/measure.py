@@ -159,6 +159,10 @@ def per_term(
     host_values: list[float] | None = None
     stacking = Stacking(params)  # how every gradient list of this probe is held (status.py)
     sums: dict[str, Stacked | None] = {s.name: None for s in multi}
+    # Per sum and unstacked slot, the term whose gradient the sum holds as it is (``_note_held``), and
+    # each term's own reading: such a gradient is not reduced a second time.
+    held: dict[str, list[str | None]] = {s.name: [None] * len(stacking.rest) for s in multi}
+    term_reads: dict[str, tuple[list[str], list[float | None]]] = {}
     results = {s.name: Measurement(s.name) for s in scenarios}
     for k, t in enumerate(needed):
         t0 = time.perf_counter()
@@ -182,10 +186,12 @@ def per_term(
                 m.error = error
             elif stacked is not None:
                 sums[s.name] = stacked if total is None else total + stacked
+                _note_held(held[s.name], stacked.rest, t)
         alone = [results[s.name] for s in scenarios if s.terms == (t,)]
         if stacked is not None and alone:
             [(statuses, norms)], got = read([stacked], values)
             host_values, values = host_values or got, None
+            term_reads[t] = (statuses, norms)
             for m in alone:
                 m.statuses, m.norms, m.grads = list(statuses), list(norms), grads if keep else None
         for m in alone:
@@ -197,11 +203,12 @@ def per_term(
         if m.error is None and sums[s.name] is None:
             m.error = no_grad_path(f"no term of scenario {s.name!r}")
     summed = [s.name for s in multi if results[s.name].error is None]
-    read_sums, got = read([sums[n] for n in summed], values)  # type: ignore[misc]
+    read_sums, got = read([_without_held(sums[n], held[n], term_reads) for n in summed], values)  # type: ignore[arg-type]
     host_values = host_values or got
     for n, (statuses, norms) in zip(summed, read_sums, strict=True):
-        m = results[n]
-        m.statuses, m.norms, m.grads = statuses, norms, sums[n].grads() if keep else None  # type: ignore[union-attr]
+        total, m = sums[n], results[n]
+        _fill_held(statuses, norms, total.stacking.rest, held[n], term_reads)  # type: ignore[union-attr]
+        m.statuses, m.norms, m.grads = statuses, norms, total.grads() if keep else None  # type: ignore[union-attr]
     for s in multi:
         results[s.name].seconds = (time.perf_counter() - t0) / len(multi)
     named = dict(zip(terms, host_values or [], strict=True))
@@ -211,6 +218,33 @@ def per_term(
         m.total = (sum(finite) if finite else None) if m.statuses is not None else None
         m.seconds += forward_share
     return list(terms), scenarios, [results[s.name] for s in scenarios]
+
+
+def _note_held(held: list[str | None], rest: Sequence[torch.Tensor | None], term: str) -> None:
+    """After ``term``'s gradients (``rest``: the unstacked ones) are added to a sum: per slot, the term
+    whose gradient the sum holds as it is (the first one there: ``Stacked.__add__`` keeps it, not a
+    copy), or "" once a second term's is added to it."""
+    for j, g in enumerate(rest):
+        if g is not None:
+            held[j] = term if held[j] is None else ""
+
+
+def _without_held(total: Stacked, held: list[str | None], reads: Mapping[str, Any]) -> Stacked:
+    """The sum to reduce: without the gradients it holds as one term left them, where that term's
+    own reading has their statuses and norms already (the wide model's big layers, each reached by
+    one term: a pass over their values saved)."""
+    rest = [None if h and h in reads else g for g, h in zip(total.rest, held, strict=True)]
+    return Stacked(total.stacking, total.stacks, rest, total.present)
+
+
+def _fill_held(
+    statuses: list[str], norms: list[float | None], slots: list[int], held: list[str | None],
+    reads: Mapping[str, tuple[list[str], list[float | None]]],
+) -> None:  # fmt: skip
+    """The statuses and norms ``_without_held`` left out, from the readings of the terms that gave them."""
+    for i, h in zip(slots, held, strict=True):
+        if h and h in reads:
+            statuses[i], norms[i] = reads[h][0][i], reads[h][1][i]
 
 
 WeightedCall = Callable[[Weights], object]

@@ -95,10 +95,12 @@ class _Heard(logging.Filter):
 def _torch_logging(heard: _Heard) -> Iterator[None]:
     """The filter on the handlers of the root and ``torch`` loggers; the trace logger without the
     handlers that are not torch's (pytest's). Both undone on exit."""
+    # Most of the hundred-odd loggers have no handler (and placeholders have none to have): asked
+    # first, so the names of only the few with handlers are looked at.
     loggers = [logging.getLogger()] + [
         log
-        for name, log in list(logging.Logger.manager.loggerDict.items())
-        if _is_torch(name) and isinstance(log, logging.Logger) and log.handlers
+        for log in list(logging.Logger.manager.loggerDict.values())
+        if getattr(log, "handlers", None) and isinstance(log, logging.Logger) and _is_torch(log.name)
     ]
     handlers = list({id(h): h for log in loggers for h in log.handlers}.values())
     trace = logging.getLogger("torch.__trace")

@@ -248,13 +248,13 @@ def check_values(
 ) -> None:
     """Every parameter (``named``: the model's, listed once by the caller) and buffer (``buffers``:
     ``named_buffers()`` when the caller has listed them) has values."""
-    from torch._subclasses.fake_tensor import is_fake
-
     tensors = [*named, *(model.named_buffers() if buffers is None else buffers)]
     # Only tensors of another type (lazy, fake) or on the meta device can lack values.
     for name, t in tensors:
         if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta:
             continue
+        from torch._subclasses.fake_tensor import is_fake
+
         if is_lazy(t):
             owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             raise SpecError(
