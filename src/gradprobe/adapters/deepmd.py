@@ -61,8 +61,8 @@ from .deepmd_checks import (
     GRAD_RTOL,
     METRIC_DEFINITIONS,
     OUTPUT_RTOL,
-    _metric_rtol,
-    _reported,
+    metric_rtol,
+    reported_metrics,
     compare_backends,
     documented_metrics,
     metrics_report,
@@ -654,9 +654,9 @@ class DeepmdAdapter:
         with _train_mode(wrapper):
             pred, _, more = wrapper(**inputs, cur_lr=self.cur_lr, label=labels)
         natoms = int(inputs["atype"].shape[-1])
-        return metrics_report({"pt_expt": (_reported(more), documented_metrics(pred, labels, natoms,
+        return metrics_report({"pt_expt": (reported_metrics(more), documented_metrics(pred, labels, natoms,
                               self._loss_settings()))}, natoms, int(inputs["atype"].shape[0]),
-                              _metric_rtol(self.model))  # fmt: skip
+                              metric_rtol(self.model))  # fmt: skip
 
     def _loss_settings(self) -> dict[str, Any]:
         """What the aggregate ``rmse`` needs: the loss's prefactors now, its normalisation, and whether

@@ -84,7 +84,7 @@ def documented_metrics(
     return out
 
 
-def _reported(more: Mapping[str, Any] | None) -> dict[str, float]:
+def reported_metrics(more: Mapping[str, Any] | None) -> dict[str, float]:
     return {
         k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
         for k, v in (more or {}).items()
@@ -92,7 +92,7 @@ def _reported(more: Mapping[str, Any] | None) -> dict[str, float]:
     }
 
 
-def _metric_rtol(model: torch.nn.Module) -> float:
+def metric_rtol(model: torch.nn.Module) -> float:
     """Float noise of a recomputed metric: sums in another order, and normalisation constants DeePMD
     may hold in float32 (its pt backend's per-frame ``1/natoms`` from the float32 ``mask``, squared, puts its rmse_e and
     rmse_v 3.7e-8 above the definition on a float64 model; measured on 3.2.0)."""
@@ -267,9 +267,9 @@ def compare_backends(adapter: DeepmdAdapter, batch: Any) -> dict[str, Any]:
             other, _pt_labels(labels), natoms, adapter.cur_lr,
         )  # fmt: skip
     result["metrics"] = metrics_report(
-        {"pt_expt": (_reported(more_expt), documented_metrics(pred_expt, labels, natoms, settings)),
-         "pt": (_reported(more_pt), documented_metrics(pred_pt, labels, natoms, settings))},
-        natoms, int(inputs["atype"].shape[0]), _metric_rtol(adapter.model),
+        {"pt_expt": (reported_metrics(more_expt), documented_metrics(pred_expt, labels, natoms, settings)),
+         "pt": (reported_metrics(more_pt), documented_metrics(pred_pt, labels, natoms, settings))},
+        natoms, int(inputs["atype"].shape[0]), metric_rtol(adapter.model),
     )  # fmt: skip
     failures = [f"{k}: pt differs from pt_expt by {e:.3g} of its scale" for k, e in result["outputs"].items()
                 if not e <= out_rtol]  # fmt: skip
