@@ -61,11 +61,11 @@ from .deepmd_checks import (
     GRAD_RTOL,
     METRIC_DEFINITIONS,
     OUTPUT_RTOL,
-    metric_rtol,
-    reported_metrics,
     compare_backends,
     documented_metrics,
+    metric_rtol,
     metrics_report,
+    reported_metrics,
     serialized_grads,
 )
 
