@@ -20,20 +20,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..claims import claim
-from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import Explained, where
 from .lineage_cuts import (
     FUNCTION,
-    TOTAL,
     chain_words,
     classify,
-    explained_runs,
     fd_words,
     place_claims,
+    place_evidence,
+    place_notes,
     places,
     status_words,
+    term_names,
 )
 
 CAUSE = "gradient-mismatch"
@@ -50,8 +50,8 @@ def detect(fm: FlowMap) -> list[Finding]:
         if not fd_words(fm, place) or classify(fm, place) != CAUSE:
             continue
         site = place.site
-        terms = ["the total loss" if t == TOTAL else t for t in place.terms]
-        notes = {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+        terms = term_names(place)
+        notes = place_notes(fm, place)
         declared = len(notes) == len(place.parameters)
         function = site.get("kind") == FUNCTION
         if function:
@@ -82,14 +82,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 CAUSE,
                 "info" if declared else ("warning" if function else "error"),
                 message + (" — declared: " + "; ".join(sorted(set(notes.values()))) if declared else ""),
-                evidence={
-                    "site": site,
-                    "variants": place.variants,
-                    "terms": place.terms,
-                    "parameters": place.parameters,
-                    "statuses": place.statuses,
-                    "runs": explained_runs(fm, place),
-                },
+                evidence=place_evidence(fm, place),
                 location={**site, "variants": place.variants},
                 claims=(
                     *place_claims(fm, place),

@@ -11,20 +11,20 @@ trace). Parameters a note declares as intended (``notes``) turn the error into i
 from __future__ import annotations
 
 from ..claims import claim
-from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import where
 from .lineage_cuts import SPELLING as _SPELLING
 from .lineage_cuts import (
-    TOTAL,
     chain_words,
     classify,
-    explained_runs,
     fd_words,
     place_claims,
+    place_evidence,
+    place_notes,
     places,
     status_words,
+    term_names,
     where_seen,
 )
 
@@ -38,8 +38,8 @@ def detect(fm: FlowMap) -> list[Finding]:
             continue
         site = place.site
         kind = str(site.get("kind"))
-        terms = ["the total loss" if t == TOTAL else t for t in place.terms]
-        notes = {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+        terms = term_names(place)
+        notes = place_notes(fm, place)
         intended = len(notes) == len(place.parameters)
         seen = where_seen(fm, place)
         others = _reached_by_others(fm, place)
@@ -67,12 +67,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 "info" if intended else "error",
                 message,
                 evidence={
-                    "site": site,
-                    "variants": place.variants,
-                    "terms": place.terms,
-                    "parameters": place.parameters,
-                    "statuses": place.statuses,
-                    "runs": explained_runs(fm, place),
+                    **place_evidence(fm, place),
                     "lineage": [fm.evidence["lineage"][v].get("label") for v in place.variants],
                     "bisection": bis,
                 },

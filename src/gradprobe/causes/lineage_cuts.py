@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..declarations import note_for
 from ..flowmap import FlowMap
 from ..wording import names
 
@@ -244,6 +245,28 @@ def explained_runs(fm: FlowMap, place: Place) -> list[list[str]]:
     return [
         [v, s.name] for v in place.variants for s in fm.scenarios if terms & set(s.terms) or TOTAL in terms
     ]
+
+
+def term_names(place: Place) -> list[str]:
+    """The place's terms as a finding names them (the step's total spelled out)."""
+    return ["the total loss" if t == TOTAL else t for t in place.terms]
+
+
+def place_notes(fm: FlowMap, place: Place) -> dict[str, str]:
+    """The user's ``notes`` on the cut parameters, by parameter (all of them: the cut is declared)."""
+    return {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+
+
+def place_evidence(fm: FlowMap, place: Place) -> dict[str, Any]:
+    """What a finding at a place records: the site, where it was seen, and the runs it explains."""
+    return {
+        "site": place.site,
+        "variants": place.variants,
+        "terms": place.terms,
+        "parameters": place.parameters,
+        "statuses": place.statuses,
+        "runs": explained_runs(fm, place),
+    }
 
 
 def status_words(place: Place) -> str:

@@ -13,19 +13,19 @@ differences where they ran (the value does move with those parameters)."""
 from __future__ import annotations
 
 from ..claims import claim
-from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
 from .common import where
 from .lineage_cuts import (
     SPELLING,
-    TOTAL,
     classify,
-    explained_runs,
     fd_words,
     place_claims,
+    place_evidence,
+    place_notes,
     places,
     reached_claims,
+    term_names,
     where_seen,
 )
 
@@ -38,8 +38,8 @@ def detect(fm: FlowMap) -> list[Finding]:
         if classify(fm, place) != CAUSE:
             continue
         site = place.site
-        terms = ["the total loss" if t == TOTAL else t for t in place.terms]
-        notes = {p: n for p in place.parameters if (n := note_for(p, fm.notes)) is not None}
+        terms = term_names(place)
+        notes = place_notes(fm, place)
         declared = len(notes) == len(place.parameters)
         construct = SPELLING.get(str(site.get("kind")), str(site.get("kind")))
         seen = where_seen(fm, place)
@@ -58,14 +58,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 CAUSE,
                 "info" if declared else "warning",
                 message,
-                evidence={
-                    "site": site,
-                    "variants": place.variants,
-                    "terms": place.terms,
-                    "parameters": place.parameters,
-                    "statuses": place.statuses,
-                    "runs": explained_runs(fm, place),
-                },
+                evidence=place_evidence(fm, place),
                 location={**site, "variants": place.variants},
                 claims=(
                     *place_claims(fm, place),
