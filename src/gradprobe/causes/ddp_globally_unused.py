@@ -6,26 +6,20 @@ settings) and the spec's notes. A map of one process has none: nothing is found.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ..claims import claim
 from ..declarations import note_for
 from ..flowmap import Finding, FlowMap
 from ..wording import names
-from .ddp_locally_unused import DDP_ERROR
+from .ddp_locally_unused import DDP_ERROR, rank_reach
 
 CAUSE = "ddp-globally-unused"
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    d = fm.checks.get("distributed")
-    if not isinstance(d, Mapping):
+    reach = rank_reach(fm)
+    if reach is None:
         return []  # not a merged map of ranks (distributed.merge_maps)
-    world = int(d.get("world_size", 1))
-    wrapper = str(d.get("wrapper", "none"))
-    ref = str(d.get("reference", fm.reference))
-    ranks: Mapping[str, Mapping[str, list[int]]] = d.get("ranks") or {}
-    no_path: Mapping[str, Mapping[str, list[int]]] = d.get("no_path") or {}
+    d, world, wrapper, ref, ranks, no_path = reach
     if not ranks or {t for s in fm.scenarios if s.name in ranks for t in s.terms} != set(fm.terms):
         return []  # some term was measured on no rank: nothing can be called unused
     unused = [p for p in fm.trainable if all(not ranks[s].get(p) for s in ranks)]

@@ -8,6 +8,7 @@ scenario, the ranks reaching each parameter (``ranks``) and those with no autogr
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from ..claims import claim
 from ..flowmap import Finding, FlowMap
@@ -17,15 +18,37 @@ CAUSE = "ddp-locally-unused"
 DDP_ERROR = "Expected to have finished reduction in the prior iteration before starting a new one"
 
 
-def detect(fm: FlowMap) -> list[Finding]:
+class RankReach(NamedTuple):
+    """What the ddp detectors read of a map merged over ranks (``checks["distributed"]``)."""
+
+    check: Mapping[str, Any]  # the whole record: the wrapper's settings
+    world: int
+    wrapper: str
+    reference: str
+    ranks: Mapping[str, Mapping[str, list[int]]]  # scenario -> parameter -> ranks reaching it
+    no_path: Mapping[str, Mapping[str, list[int]]]  # scenario -> parameter -> ranks with no autograd path
+
+
+def rank_reach(fm: FlowMap) -> RankReach | None:
+    """The per-rank reach of a merged map; None for a map of one process."""
     d = fm.checks.get("distributed")
     if not isinstance(d, Mapping):
+        return None
+    return RankReach(
+        d,
+        int(d.get("world_size", 1)),
+        str(d.get("wrapper", "none")),
+        str(d.get("reference", fm.reference)),
+        d.get("ranks") or {},
+        d.get("no_path") or {},
+    )
+
+
+def detect(fm: FlowMap) -> list[Finding]:
+    reach = rank_reach(fm)
+    if reach is None:
         return []  # not a merged map of ranks (distributed.merge_maps)
-    world = int(d.get("world_size", 1))
-    wrapper = str(d.get("wrapper", "none"))
-    ref = str(d.get("reference", fm.reference))
-    ranks: Mapping[str, Mapping[str, list[int]]] = d.get("ranks") or {}
-    no_path: Mapping[str, Mapping[str, list[int]]] = d.get("no_path") or {}
+    d, world, wrapper, ref, ranks, no_path = reach
     partial: dict[str, dict[str, dict[str, list[int]]]] = {}
     for s, per_param in ranks.items():
         for p, rs in per_param.items():
