@@ -85,6 +85,20 @@ def test_a_check_that_cannot_run_is_an_error_and_the_rest_stands():
     assert fm.exit_code == 1
 
 
+def test_a_check_that_needs_a_missing_package_says_install_it():
+    """The check's import failed (deepmd.pt's e3nn in CI): the fix names the module, not the step."""
+
+    def energy_needing_a_package(m, b):  # type: ignore[no-untyped-def]
+        import gradprobe_no_such_package.sub  # noqa: F401
+
+    spec = dataclasses.replace(_spring_spec(Springs()), energy_fn=energy_needing_a_package)
+    fm = gradprobe.probe(spec, checks=["physics"])
+    (finding,) = [f for f in fm.findings if f.cause == "check-could-not-run"]
+    assert "imports `gradprobe_no_such_package`" in finding.fix
+    assert "install the package that provides `gradprobe_no_such_package`" in finding.fix
+    assert "the step's own" not in finding.fix and fm.exit_code == 1
+
+
 @pytest.mark.parametrize("check", ["physics", "training", "balance"])
 def test_every_check_on_a_model_that_cannot_be_copied_runs_on_the_model_itself(check):
     """Issue 33: a model that cannot be deep-copied is checked on itself, its state put back after;

@@ -14,6 +14,7 @@ reference is the culprit, and ``flow-mismatch`` says so instead of blaming anoth
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..claims import claim
@@ -58,6 +59,8 @@ def detect(fm: FlowMap) -> list[Finding]:
 
 
 COPY = "CopyError"
+# Python's own wording for an import that finds no module: the check needs a package this environment lacks.
+MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
 def _could_not_run(
@@ -91,7 +94,14 @@ def _could_not_run(
             claims.append(claim("check_where", f"the failure comes from {where(w)}", check=check, part=part,
                                 file=w["file"], line=w["line"]))  # fmt: skip
     at = f" (at {where(where_)})" if where_ else ""
-    if COPY in error:
+    missing = MISSING_MODULE.search(error)
+    if missing:
+        fix = (
+            f"the other measurements stand; the {name} check imports `{missing[1]}`{at}, which is not installed "
+            f"in this environment: install the package that provides `{missing[1].split('.')[0]}` and run the "
+            "check again"
+        )
+    elif COPY in error:
         fix = (
             "the other measurements stand; the check works on a deep copy of the model and the copy failed on the "
             "attribute the message names: make it copyable (define __deepcopy__ on its class, or drop the cached "
