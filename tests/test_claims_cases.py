@@ -15,7 +15,7 @@ import functools
 import os
 
 import pytest
-from claims import Entry, entries, marked, truth_of
+from claims import Entry, entries, truth_of
 
 import gradprobe
 
@@ -152,7 +152,8 @@ def test_the_set() -> None:
     assert len({e.family for e in BUGS}) >= 6
     for b in BUGS:
         assert b.root_line  # exactly one ROOT marker
-        assert not marked(b.file, "STOP", b.id, at_least=0, at_most=0)
+        # A bug may keep an intended stop-gradient beside it (its twin's warning names it), never at the root.
+        assert b.root_line not in b.stop_lines, b.id
     for e in intended:
         assert e.stop_lines, e.id
     # Three styles of intended stop-gradient (adversarial, self-supervised, target network or probe),

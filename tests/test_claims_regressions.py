@@ -391,3 +391,73 @@ def test_dynamo_off_and_differing_outputs_state_what_was_recorded() -> None:
     differ = msgspec.structs.replace(differ, findings=tuple(diagnose(differ)))
     f = the(differ, "outputs-differ")
     assert {c.kind for c in f.claims} >= {"outputs", "physics"} and mine(differ) == [], listing(differ)
+
+
+# ----- cuts: the root, not the intended detach beside it; the remedy of the construct recorded ------------
+
+
+def _claims_case(case_id: str):  # type: ignore[no-untyped-def]
+    from claims import entries
+
+    (entry,) = [e for e in entries() if e.id == case_id]
+    model, step, batch, kwargs = entry.make()
+    fm = gradprobe.probe(model, step, batch, diagnose=True, progress=False, **kwargs)
+    return entry, fm
+
+
+def test_a_value_through_item_is_the_one_error_not_the_intended_detach_beside_it() -> None:
+    """Only the value term moves with the critic through ``.item()``: the policy and entropy terms
+    are not blamed for it, and the intended ``advantage.detach()`` stays a question (a warning) that
+    names the root, though nothing else trains the critic while the root is there."""
+    entry, fm = _claims_case("a2c-value-through-item")
+    (error,) = fm.errors()
+    assert error.cause == "graph-break-in-model" and error.location["line"] == entry.root_line, listing(fm)
+    assert error.message.startswith("critic: "), error.message
+    assert error.fix.startswith("keep the value a tensor"), error.fix
+    (warning,) = [f for f in fm.findings if f.cause == "stop-gradient"]
+    assert warning.location["line"] in entry.stop_lines
+    assert f"cut on its own at actor_critic.py:{entry.root_line} (.item())" in warning.message, (
+        warning.message
+    )
+    assert audit(fm) == []
+
+
+def test_a_penalty_without_create_graph_is_told_to_take_it() -> None:
+    entry, fm = _claims_case("wgan-gp-no-create-graph")
+    (error,) = fm.errors()
+    assert (
+        error.location["line"] == entry.root_line
+        and error.location["kind"] == "autograd_grad_no_create_graph"
+    )
+    assert "pass create_graph=True to that torch.autograd.grad call" in error.fix, error.fix
+    assert "remove the torch.autograd.grad" not in error.fix and ".item()" not in error.fix
+    assert audit(fm) == []
+
+
+def test_parameters_reached_with_wrong_values_are_not_counted_as_unreached() -> None:
+    """A straight-through estimator's detach is the route to the codebook; when no other term trains
+    the codebook, the encoder is still reached by the term, only with a gradient off its finite
+    differences: the message says which parameters are which."""
+
+    class Quantiser(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(6, 3)
+            self.codes = nn.Parameter(torch.randn(7, 3))
+            self.dec = nn.Linear(3, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = self.enc(x)
+            e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
+            return self.dec(z + (e - z).detach())
+
+    torch.manual_seed(3)
+    fm = gradprobe.probe(
+        Quantiser().double(), lambda m, x: {"recon": (m(x) - x).pow(2).mean()}, torch.randn(10, 6).double(),
+        diagnose=True, progress=False,
+    )  # fmt: skip
+    (error,) = fm.errors()
+    assert "no gradient: codes" in error.message, error.message
+    assert "a gradient off its finite differences: enc.weight, enc.bias" in error.message, error.message
+    assert "does not reach or gets wrong" in error.message
+    assert audit(fm) == []

@@ -47,6 +47,8 @@ MODULES = (
     "denoise",
     "force_field",
     "video",
+    "actor_critic",
+    "gradient_penalty",
 )
 
 

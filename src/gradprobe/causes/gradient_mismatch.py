@@ -32,7 +32,6 @@ from .lineage_cuts import (
     place_evidence,
     place_notes,
     places,
-    status_words,
     term_names,
 )
 
@@ -67,7 +66,7 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         else:
             message = (
-                f"{', '.join(terms)}: the gradient is off its finite differences ({status_words(place)}): "
+                f"{', '.join(terms)}: the gradient is off its finite differences along {names(place.parameters)}: "
                 f"{fd_words(fm, place)}. The value reaches them through a route autograd does not carry: "
                 f"{site.get('op')} at {where(site)}" + chain_words(place)
             )

@@ -19,6 +19,7 @@ from .lineage_cuts import (
     chain_words,
     classify,
     fd_words,
+    lost_words,
     place_claims,
     place_evidence,
     place_notes,
@@ -44,8 +45,8 @@ def detect(fm: FlowMap) -> list[Finding]:
         seen = where_seen(fm, place)
         others = _reached_by_others(fm, place)
         message = (
-            f"{', '.join(terms)}: the value depends on {len(place.parameters)} parameter(s) the gradient does not "
-            f"reach ({status_words(place)}) — the chain is cut by "
+            f"{', '.join(terms)}: the value depends on {lost_words(place)} ({status_words(place)}) — the chain is "
+            "cut by "
             f"{_SPELLING.get(kind, kind)} at {where(site)}"
             + (f" (graph node {site['node']})" if site.get("node") else "")
             + chain_words(place)
@@ -79,9 +80,8 @@ def detect(fm: FlowMap) -> list[Finding]:
                 fix=(
                     "intended (declared in notes): nothing to do"
                     if intended
-                    else f"remove the {_SPELLING.get(kind, kind)} on the path from these parameters to "
-                    f"{', '.join(terms)} (keep the value a tensor: no .item()/NumPy/integer round trip), or, "
-                    "if the cut is intended, declare it in notes={parameter prefix: why}"
+                    else _remedy(kind, ", ".join(terms))
+                    + ", or, if the cut is intended, declare it in notes={parameter prefix: why}"
                     + (
                         f"; verified: {verified['variant']} matches {fm.reference}"
                         if verified.get("ok") and bis is not None and (bis.get("culprit") or {})
@@ -91,6 +91,22 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         )
     return findings
+
+
+def _remedy(kind: str, terms: str) -> str:
+    """What removes a cut of this kind, in the words of the construct the lineage recorded."""
+    if kind == "autograd_grad_no_create_graph":
+        return (
+            f"pass create_graph=True to that torch.autograd.grad call, so {terms} can be differentiated again"
+        )
+    if kind in ("no_grad", "inference_mode"):
+        return f"compute the values {terms} needs outside the {_SPELLING[kind].split(' under ')[1]} block"
+    if kind in ("item", "float", "tolist", "numpy", "int_cast", "non_differentiable"):
+        return (
+            f"keep the value a tensor on the path from these parameters to {terms} (no .item()/NumPy/integer round "
+            "trip, no torch.tensor() of a number)"
+        )
+    return f"remove the {_SPELLING.get(kind, kind)} on the path from these parameters to {terms}"
 
 
 def _reached_by_others(fm: FlowMap, place) -> list[str]:  # type: ignore[no-untyped-def]

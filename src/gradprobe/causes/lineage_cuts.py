@@ -117,6 +117,37 @@ def reached_elsewhere(fm: FlowMap, place: Place) -> bool:
     return True
 
 
+def unreached_by_step(fm: FlowMap, place: Place) -> list[str]:
+    """The place's parameters that no scenario of some of its paths reaches."""
+    out: list[str] = []
+    for v in place.variants:
+        reached = set()
+        for s in fm.scenario_names:
+            reached |= fm.reached(v, s)
+        out.extend(p for p in place.parameters if p not in reached and p not in out)
+    return out
+
+
+def roots_for_others(fm: FlowMap, place: Place) -> list[Place]:
+    """Where an explicit stop-gradient leaves parameters that no term reaches, the places that cut
+    *other* terms off the same parameters with a construct that is not an explicit stop-gradient
+    (``.item()``, ``.data``, a cast...): those are the roots, reported as errors on their own. Empty
+    unless they account for every such parameter."""
+    left = set(unreached_by_step(fm, place))
+    if not left:
+        return []
+    roots = [
+        o
+        for o in places(fm)
+        if o.key != place.key
+        and not explicit(o.site)
+        and set(o.terms) - set(place.terms)
+        and left & set(o.parameters)
+    ]
+    covered = {p for o in roots for p in o.parameters}
+    return roots if left <= covered else []
+
+
 def classify(fm: FlowMap, place: Place) -> str:
     """The cause a place is reported under: an explicit stop-gradient the step works around is
     ``stop-gradient`` (a warning); a cut that leaves every parameter reached, only with wrong values,
@@ -126,7 +157,13 @@ def classify(fm: FlowMap, place: Place) -> str:
         return cause
     # In the reference the construct is the user's method (a traced path records the same line as a graph
     # node); only in another path, it is that path departing from the reference.
-    if explicit(place.site) and in_reference(fm, place.site) and reached_elsewhere(fm, place):
+    # Parameters it leaves unreached that another term would train but for a cut of its own (the root) do
+    # not make it an error: the root is reported, and this one asks as it would once the root is fixed.
+    if (
+        explicit(place.site)
+        and in_reference(fm, place.site)
+        and (reached_elsewhere(fm, place) or roots_for_others(fm, place))
+    ):
         return "stop-gradient"
     if place.statuses and all(st == WRONG for st in place.statuses.values()):
         return "gradient-mismatch"
@@ -148,8 +185,8 @@ def _confirmed(fm: FlowMap, variant: str) -> dict[str, set[str]]:
     """Leaving site id -> terms that finite differences showed to move with its parameters."""
     out: dict[str, set[str]] = {}
     for c in (fm.evidence.get("confirmations") or {}).get(variant) or []:
-        if "key" in c:
-            out[str(c["key"])] = set(c.get("confirmed") or ())
+        if "key" in c:  # one site may have been moved once per group of terms
+            out.setdefault(str(c["key"]), set()).update(c.get("confirmed") or ())
     return out
 
 
@@ -185,12 +222,20 @@ def places(fm: FlowMap) -> list[Place]:
                 hit += [p for p in params if p in off and p not in hit]
                 if hit:
                     found.append((site, hit))
-            # Dependence that left torch: blamed only where finite differences confirmed it.
+            # Dependence that left torch: blamed only where finite differences confirmed it, and only for
+            # parameters no cut in the term's own history explains (the lineage cannot tell which term's
+            # value a Python number flowed into).
+            explained = {p for _, hit in found for p in hit}
             for site in sites.values():
                 if site.get("kind") in LEAVING and (
-                    term in confirmed.get(str(site["id"]), set()) or off & set(site.get("parameters") or ())
+                    term in confirmed.get(str(site["id"]), set())
+                    or (off - explained) & set(site.get("parameters") or ())
                 ):
-                    hit = [p for p in site.get("parameters") or () if p in statuses and p not in carried]
+                    hit = [
+                        p
+                        for p in site.get("parameters") or ()
+                        if p in statuses and p not in carried and p not in explained
+                    ]
                     if hit:
                         found.append((site, hit))
             hits = {site["id"]: hit for site, hit in found}
@@ -270,15 +315,23 @@ def place_evidence(fm: FlowMap, place: Place) -> dict[str, Any]:
 
 
 def status_words(place: Place) -> str:
-    """'no gradient: a, b; exact zero: c' for the cut parameters."""
-    none = [p for p, st in place.statuses.items() if st == "none"]
-    zero = [p for p, st in place.statuses.items() if st == "zero"]
+    """'no gradient: a, b; exact zero: c; a gradient off its finite differences: d' for the cut parameters."""
     parts = []
-    if none:
-        parts.append(f"no gradient: {names(none)}")
-    if zero:
-        parts.append(f"exact zero: {names(zero)}")
+    for status, words in (("none", "no gradient"), ("zero", "exact zero"),
+                          (WRONG, "a gradient off its finite differences")):  # fmt: skip
+        shown = [p for p, st in place.statuses.items() if st == status]
+        if shown:
+            parts.append(f"{words}: {names(shown)}")
     return "; ".join(parts)
+
+
+def lost_words(place: Place) -> str:
+    """'3 parameter(s) the gradient does not reach' (or 'does not reach or gets wrong' where the
+    gradients check measured some of them reached with a wrong value)."""
+    wrong = any(st == WRONG for st in place.statuses.values())
+    return f"{len(place.parameters)} parameter(s) the gradient does not reach" + (
+        " or gets wrong" if wrong else ""
+    )
 
 
 def where_seen(fm: FlowMap, place: Place) -> str:

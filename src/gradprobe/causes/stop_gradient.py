@@ -25,7 +25,10 @@ from .lineage_cuts import (
     place_notes,
     places,
     reached_claims,
+    reached_elsewhere,
+    roots_for_others,
     term_names,
+    unreached_by_step,
     where_seen,
 )
 
@@ -44,10 +47,20 @@ def detect(fm: FlowMap) -> list[Finding]:
         construct = SPELLING.get(str(site.get("kind")), str(site.get("kind")))
         seen = where_seen(fm, place)
         fd = fd_words(fm, place)
+        roots = [] if reached_elsewhere(fm, place) else roots_for_others(fm, place)
         message = (
             f"stop-gradient at {where(site)} — intended? {', '.join(terms)}: the value depends on "
-            f"{names(place.parameters)} through {construct}, which carries no gradient to them there; the step "
-            "still trains them another way (another term, or the part of the value that is not detached)"
+            f"{names(place.parameters)} through {construct}, which carries no gradient to them there; "
+            + (
+                "the step still trains them another way (another term, or the part of the value that is not "
+                "detached)"
+                if not roots
+                else f"the step would train {names(unreached_by_step(fm, place))} through "
+                + ", ".join(sorted({t for o in roots for t in term_names(o)}))
+                + ", but that is cut on its own at "
+                + ", ".join(_short(o.site) for o in roots)
+                + " (an error, reported there)"
+            )
             + (f"; {fd}" if fd else "")
             + (f"; {seen}" if seen else "")
         )
@@ -63,6 +76,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 claims=(
                     *place_claims(fm, place),
                     *reached_claims(fm, place),
+                    *(c for o in roots for c in place_claims(fm, o)),
                     *([claim("noted", "declared in notes", parameters=place.parameters)] if declared else []),
                 ),
                 fix="declared in notes: nothing to do"
@@ -72,3 +86,11 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         )
     return findings
+
+
+def _short(site: dict) -> str:  # type: ignore[type-arg]
+    """'cases.py:33 (.item())': a root named beside this finding (its own finding shows the code)."""
+    import os
+
+    kind = str(site.get("kind"))
+    return f"{os.path.basename(str(site.get('file')))}:{site.get('line')} ({SPELLING.get(kind, kind)})"

@@ -157,17 +157,16 @@ def confirmations(
         for site in lin.sites:
             if not site.leaving:
                 continue
-            suspects: dict[str, None] = {}
-            cut_terms = []
+            # Each term is moved along its own missing parameters only: moving the union would confirm a
+            # term that depends on another term's missing parameter through a route that carries gradient.
+            by_hit: dict[tuple[str, ...], list[str]] = {}
             for term, tl in lin.terms.items():
                 m = results.get(alone.get(term, "")) if term != TOTAL else _all_run(results, scenarios)
                 missing = unreached(m, names) - set(tl.carries)
-                hit = [p for p in site.parameters if p in missing]
+                hit = tuple(p for p in site.parameters if p in missing)
                 if hit:
-                    cut_terms.append(term)
-                    suspects.update(dict.fromkeys(hit))
-            if cut_terms:
-                candidates.append((str(site.id), list(suspects), cut_terms))
+                    by_hit.setdefault(hit, []).append(term)
+            candidates.extend((str(site.id), list(hit), cut_terms) for hit, cut_terms in by_hit.items())
         if not candidates:
             continue
         call = _path_call(spec, model, x.variant, builds.get(x.info.name), mode, terms, batch, named[0][1])
