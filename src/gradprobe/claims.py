@@ -289,10 +289,16 @@ def build_failed_at(fm: FlowMap, variant: str, file: str, line: int) -> bool:
 
 
 @_predicate
-def error_frame(fm: FlowMap, variant: str, scenario: str | None, function: str) -> bool:
-    """The recorded traceback of that run's (or the build's) error passes through ``function``."""
+def error_frame(
+    fm: FlowMap, variant: str, scenario: str | None, function: str, file: str | None = None
+) -> bool:
+    """The recorded traceback of that run's (or the build's) error passes through ``function`` (of a
+    file of that name, where ``file`` is given)."""
     error = _error_of(fm, variant, scenario)
-    return error is not None and any(f.rpartition(" in ")[2] == function for f in error.frames or ())
+    return error is not None and any(
+        f.rpartition(" in ")[2] == function and (file is None or f.partition(":")[0] == file)
+        for f in error.frames or ()
+    )
 
 
 @_predicate

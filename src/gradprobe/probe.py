@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import torch
+from torch.distributions import Distribution
 
 from . import __version__
 from .balance import balance_report
@@ -273,10 +274,22 @@ def _measure_variants(state: _Probe) -> None:
         # Loaded before the reference runs, which a path will load anyway: the autograd.grad calls of
         # every window, the reference's too, are recorded (evidence.grad_calls needs it loaded).
         import torch._dynamo  # noqa: F401
+    if any(v.compiled or v.capture == "user" for v in state.variants) and Distribution._validate_args:
+        # torch.compile's first use in a process turns torch.distributions' argument validation off for
+        # good (dynamo's TorchPatcher.patch, once per process). Measured on 2.13: make_fx of a step that
+        # builds a Categorical fails on validation's data-dependent check before it and traces after, so
+        # a path measured, or a bisection trial run, after the first compile would see other code than
+        # one before. Every path of a probe that may compile runs as in a process that compiles: off,
+        # the reference too; preserved() puts the user's value back.
+        Distribution.set_default_validate_args(False)
+        state.evidence.setdefault("environment", {})[VALIDATION_OFF] = True
     for variant in state.variants:
         state.measured.append(
             _measure(state, variant, keep=variant.name == state.reference and keep_ref, alone=alone)
         )
+
+
+VALIDATION_OFF = "distribution_validation_off"
 
 
 def _measure(state: _Probe, variant: VariantSpec, keep: bool, alone: bool) -> _Measured:
@@ -461,7 +474,7 @@ def _gather_evidence(state: _Probe) -> None:
     state.evidence["dynamo"] = {name: w.to_dict() for name, w in state.watches.items()}
     off = _dynamo_disabled() if state.builds else None
     if off is not None:
-        state.evidence["environment"] = {"dynamo_disabled": off}
+        state.evidence.setdefault("environment", {})["dynamo_disabled"] = off
     advice = {name: dict(b.advice) for name, b in state.builds.items() if b.advice}
     if advice:  # a path's own words for a fix (a trainer adapter's), whatever the cause needs
         state.evidence["advice"] = advice

@@ -141,6 +141,13 @@ _SETTINGS: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = [
     ("warn always", torch.is_warn_always_enabled, torch.set_warn_always),
     ("flush denormal", _flush_denormal, torch.set_flush_denormal),
     ("autograd multithreading", torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled),
+    # torch.compile's first use turns it off for the process (see probe.VALIDATION_OFF): a probe that may
+    # compile runs with it off, and the user's value comes back after.
+    (
+        "torch.distributions argument validation",
+        lambda: torch.distributions.Distribution._validate_args,
+        torch.distributions.Distribution.set_default_validate_args,
+    ),
     *map(
         _attribute,
         (

@@ -24,6 +24,26 @@ SIGNATURES = (
 )
 
 
+# torch.distributions checks a distribution's parameters against their constraints in __init__ (an `if`
+# on a tensor): the frame the failing read comes from, and what switches the check off.
+VALIDATION_FILE = "distribution.py"
+VALIDATION_FIX = (
+    "the value read is torch.distributions' argument validation (Distribution.__init__ checks the parameters "
+    "against their constraints with an `if` on a tensor): build the distribution with validate_args=False, or "
+    "call torch.distributions.Distribution.set_default_validate_args(False) before tracing, as torch.compile "
+    "does for the whole process (not tried)"
+)
+
+
+def _in_validation(error: RunError) -> str | None:
+    """'Distribution.__init__ (distribution.py:76)' where the error's traceback passes there."""
+    for f in error.frames or ():
+        place, _, function = f.rpartition(" in ")
+        if function == "__init__" and place.partition(":")[0] == VALIDATION_FILE:
+            return f"Distribution.__init__ ({place})"
+    return None
+
+
 def matches(error: RunError) -> bool:
     return any(s.lower() in f"{error.type}: {error.message}".lower() for s in SIGNATURES)
 
@@ -53,6 +73,11 @@ def detect(fm: FlowMap) -> list[Finding]:
         claims = failure_claims(
             fm, v.name, [r.scenario for r in failed], first, contains=contains, type=type_
         )
+        validation = _in_validation(first)
+        if validation:
+            claims.append(claim("error_frame", f"the failing read is in torch.distributions' {validation}",
+                                variant=v.name, scenario=None if v.error is first else failed[0].scenario,
+                                function="__init__", file=VALIDATION_FILE))  # fmt: skip
         if advice:
             claims.append(claim("path_advice", f"{v.name} hands over its own advice for {CAUSE}", variant=v.name,
                                 cause=CAUSE))  # fmt: skip
@@ -70,6 +95,8 @@ def detect(fm: FlowMap) -> list[Finding]:
                 location={"variant": v.name, **at},
                 fix=f"{advice} (the path's own advice)"
                 if advice
+                else VALIDATION_FIX
+                if validation
                 else "keep the value a tensor at that line (torch.where or a mask instead of an `if` on a tensor; sizes "
                 "from the batch's shapes, not from its values); for torch.compile, "
                 "torch._dynamo.config.capture_scalar_outputs=True lets .item() into the graph (not tried). A "
