@@ -461,3 +461,35 @@ def test_parameters_reached_with_wrong_values_are_not_counted_as_unreached() -> 
     assert "a gradient off its finite differences: enc.weight, enc.bias" in error.message, error.message
     assert "does not reach or gets wrong" in error.message
     assert audit(fm) == []
+
+
+def test_a_traced_path_recording_the_users_own_detach_is_the_same_cut_not_only_in_make_fx() -> None:
+    """make_fx records the step's own straight-through ``detach()`` as a graph node at the same line:
+    one warning for the line, seen in every path, never a second one saying "only in make_fx"."""
+
+    class Codebook(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(5, 2)
+            self.codes = nn.Parameter(torch.randn(6, 2))
+            self.dec = nn.Linear(2, 5)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            z = self.enc(x)
+            e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
+            return z, e, self.dec(z + (e - z).detach())  # straight-through
+
+    def vq_losses(m: Codebook, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        z, e, out = m(x)
+        return {"recon": (out - x).pow(2).mean(), "codebook": (e - z.detach()).pow(2).mean(),
+                "commit": (z - e.detach()).pow(2).mean()}  # fmt: skip
+
+    torch.manual_seed(4)
+    fm = gradprobe.probe(Codebook(), vq_losses, torch.randn(9, 5), variants="eager,make_fx", diagnose=True,
+                         checks=["gradients"],
+                         progress=False)  # fmt: skip
+    warnings = [f for f in fm.findings if f.cause == "stop-gradient"]
+    lines = [f.location["line"] for f in warnings]
+    assert len(lines) == len(set(lines)) == 3, listing(fm)
+    assert all("only in" not in f.message and "every path" in f.message for f in warnings), listing(fm)
+    assert not fm.errors() and audit(fm) == []

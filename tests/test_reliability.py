@@ -218,6 +218,8 @@ from messy_model import Messy
 from test_state import snapshot, assert_same
 
 variants, rounds, longest = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+# Python's own Ctrl-C, whatever this process inherited (a CI step run in the background ignores SIGINT).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.manual_seed(0)
 model = Messy()
 model.inp.weight.grad = torch.ones_like(model.inp.weight)
@@ -265,6 +267,34 @@ print("OK")
 def test_real_sigint_at_random_moments_is_never_lost_and_never_half_restores(variants, rounds, longest):
     result = run_python(
         f"import sys; sys.argv[1:] = {[variants, str(rounds), str(longest)]!r}\n" + SIGINT_SCRIPT, timeout=300
+    )
+    assert_ran(result)
+
+
+def test_a_process_that_ignores_sigint_keeps_ignoring_it_during_a_probe():
+    """nohup, or a background job of a script, starts a process with SIGINT ignored: a Ctrl-C during a
+    probe must not become a KeyboardInterrupt there."""
+    result = run_python(
+        """
+        import os, signal, threading
+        import torch, gradprobe
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        hit = threading.Event()
+
+        def step(m, x):
+            if not hit.is_set():
+                hit.set()
+                os.kill(os.getpid(), signal.SIGINT)  # inside the probe
+                signal.raise_signal(signal.SIGINT)
+            return {"fit": m(x).square().mean()}
+
+        fm = gradprobe.probe(torch.nn.Linear(3, 1), step, torch.ones(2, 3), progress=False)
+        assert hit.is_set() and fm.count("eager", "fit only") == (2, 2)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        print("OK")
+        """,
+        timeout=120,
     )
     assert_ran(result)
 

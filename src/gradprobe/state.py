@@ -64,7 +64,11 @@ class _Interrupts:
             self.deferring = deferring
 
     def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
+        # A process that ignores SIGINT (started by nohup, a background job of a script) keeps ignoring it.
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+        ):
             try:
                 self.previous = signal.signal(signal.SIGINT, self._handle)
             except (ValueError, OSError):  # not the main interpreter

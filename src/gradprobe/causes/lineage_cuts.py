@@ -12,6 +12,7 @@ NumPy) counts only where finite differences confirmed the term moves with the pa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,7 +255,40 @@ def places(fm: FlowMap) -> list[Place]:
         for site in later.get(key, ()):
             if site not in place.later:
                 place.later.append(site)
-    return list(merged.values())
+    return _fold_into_reference(list(merged.values()), fm.reference)
+
+
+def _line_of(site: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    file, line = site.get("file"), site.get("line")
+    return None if file is None or line is None else (site.get("kind"), os.path.basename(str(file)), line)
+
+
+def _fold_into_reference(found: list[Place], reference: str) -> list[Place]:
+    """A traced path records the reference's cut as a graph node at the same line of the user's code:
+    the same cut, one place (not a second finding saying it is "only in make_fx")."""
+    at_line = {key: p for p in found if reference in p.variants and (key := _line_of(p.site)) is not None}
+    out = []
+    for place in found:
+        into = at_line.get(_line_of(place.site)) if reference not in place.variants else None  # type: ignore[arg-type]
+        # Not a detach make_fx put on a tensor saved for backward at that line: that one is the trace's own.
+        if into is None or cause_of(place.site) != cause_of(into.site):
+            out.append(place)
+            continue
+        for v in place.variants:
+            if v not in into.variants:
+                into.variants.append(v)
+            into.sites.setdefault(v, place.sites[v])
+        for t in place.terms:
+            if t not in into.terms:
+                into.terms.append(t)
+        for p in place.parameters:
+            if p not in into.parameters:
+                into.parameters.append(p)
+                into.statuses[p] = place.statuses[p]
+        for k, hit in place.hits.items():
+            into.hits.setdefault(k, []).extend(p for p in hit if p not in into.hits.get(k, ()))
+        into.later.extend(s for s in place.later if s not in into.later)
+    return out
 
 
 def _key(site: Mapping[str, Any]) -> tuple[Any, ...]:
