@@ -73,7 +73,7 @@ def consistency_report(
     for x in measured:
         if x.info.name == ref_name:
             continue
-        autocast = x.info.knobs.get("autocast", "off")
+        autocast = x.computes_in  # the knob, or the precision observed of the path or the reference
         rtol, table_rtol = consistency_tolerance(dtype, autocast), tolerance(dtype, autocast)
         failed: list[dict[str, Any]] = []
         terms: list[dict[str, Any]] = []

@@ -41,6 +41,15 @@ def tf32_matmuls() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
 
 
+# Autocast levels, loosest last: float16's tolerance (1e-2) is tighter than bfloat16's (5e-2).
+LEVELS = ("off", "fp16", "bf16")
+
+
+def loosest(*levels: str) -> str:
+    """The level whose tolerance governs a comparison of paths computing at these levels."""
+    return max(levels, key=lambda level: LEVELS.index(level) if level in LEVELS else 0)
+
+
 def tolerance(dtype: str, autocast: str = "off") -> float:
     if autocast == "bf16":
         return DEFAULT_RTOL["bfloat16"]

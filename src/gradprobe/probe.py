@@ -19,7 +19,7 @@ from .balance import balance_report
 from .batch import batch_tensors, check_devices, check_not_inference, with_differentiable_inputs
 from .build import Built, VariantContext, build
 from .checks import consistency_report, physics_check, training_check
-from .compare import consistency_tolerance, judge, precision, tolerance, verdict
+from .compare import consistency_tolerance, judge, loosest, precision, tolerance, verdict
 from .declarations import check_against, normalized_expect
 from .diagnose import diagnose
 from .errors import GradProbeError, SpecError, did_you_mean
@@ -109,6 +109,9 @@ class _Measured:
     variant: VariantSpec
     info: VariantInfo
     results: list[Measurement]
+    # The precision its comparison with the reference is judged at (``compare.LEVELS``): its autocast
+    # knob, or what was observed of it or of the reference (``evidence.precision``).
+    computes_in: str = "off"
 
 
 CHECKS = ("physics", "shapes", "training", "balance", "gradients")
@@ -164,10 +167,16 @@ class _Probe:
     evidence: dict[str, Any] = field(default_factory=dict)
     bisections: list[dict[str, Any]] = field(default_factory=list)
     breaks: list[dict[str, Any]] = field(default_factory=list)
+    ref_level: str = "off"  # the precision the reference was seen to compute in (compare.LEVELS)
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.trainable]
         self.dtype = precision(self.params[0])
+
+    @property
+    def compared(self) -> bool:
+        """Other paths are compared with the reference."""
+        return len(self.variants) > 1
 
 
 def _run_probe(
@@ -369,7 +378,42 @@ def _measure(state: _Probe, variant: VariantSpec, keep: bool, alone: bool) -> _M
         _graph_breaks() - breaks_before if variant.compiled else None,
         graph=_lint(built, len(params)),
     )
-    return _Measured(variant, info, results)
+    observed = (
+        _observed_precision(state, variant, built)
+        if state.compared and (is_ref or variant.capture == "user")
+        else None
+    )
+    if observed is not None:
+        state.evidence.setdefault("precision", {})[variant.name] = observed
+    own = observed["level"] if observed is not None else "off"
+    if is_ref:
+        state.ref_level = own
+    knob = variant.knobs.get("autocast", "off") if variant.capture != "user" else "off"
+    return _Measured(variant, info, results, loosest(knob, own, "off" if is_ref else state.ref_level))
+
+
+def _observed_precision(state: _Probe, variant: VariantSpec, built: Built | None) -> dict[str, Any] | None:
+    """The precision the path computes in, seen in one more run with compiled code off
+    (``evidence.precision``): for the reference and the user's own paths, whose autocast or casts the
+    probe does not set. None when it computes at the parameters' precision."""
+    from .evidence.precision import observe
+
+    spec, model, batch = state.spec, state.model, state.batch
+    weights = make_weights(state.terms, state.terms, state.params[0])
+    if built is None:
+        call = (
+            (lambda: spec.step(model, batch))
+            if state.mode == "terms"
+            else (lambda: spec.step(model, batch, weights))
+        )
+    elif built.error is None and built.run is not None:
+        run = built.run
+        call = lambda: run(batch, weights)  # noqa: E731
+    else:
+        return None
+    with stage("the precision it computes in"):
+        reseed(spec.seed)
+        return observe(call, state.params[0].dtype)
 
 
 def _second_batch(state: _Probe) -> None:
@@ -684,7 +728,7 @@ def _compare_on(state: _Probe, batch2: Any) -> dict[str, dict[str, Any]]:
             reference={scenario.name: ref},
             isolate=mode == "terms",
         )
-        rtol = tolerance(precision(first), m.variant.knobs.get("autocast", "off"))
+        rtol = tolerance(precision(first), m.computes_in)
         entry: dict[str, Any] = {
             "scenario": scenario.name,
             "error": None,
@@ -748,6 +792,22 @@ def _precision_warnings(dtype: str) -> tuple[str, ...]:
     )
 
 
+def _observed_precision_warnings(seen: Mapping[str, Any], reference: str, dtype: str) -> tuple[str, ...]:
+    """What the probe saw of a path computing below its parameters' precision, and the tolerance that
+    follows (``evidence.precision``)."""
+    out = []
+    for name, got in seen.items():
+        ops = ", ".join(list(got["ops"])[:3])
+        whom = "every path is compared with it" if name == reference else f"it is compared with {reference}"
+        out.append(
+            f"{name} computes in {got['dtype']} ({got['count']} op results in {got['dtype']} in one run with compiled "
+            f"code off, e.g. {ops}: autocast or casts in its code) while the parameters are {dtype}: {whom} at "
+            f"{got['dtype']}'s tolerance (relative L1 {tolerance(dtype, got['level']):g}), so differences below it "
+            "are rounding, not wrong values"
+        )
+    return tuple(out)
+
+
 def _flow_map(state: _Probe) -> FlowMap:
     """The flow map of the measured runs, with the checks' results and the evidence gathered."""
     spec, model, named, trainable = state.spec, state.model, state.tree.parameters, state.trainable
@@ -762,7 +822,7 @@ def _flow_map(state: _Probe) -> FlowMap:
     runs: list[Run] = []
     cells: list[Cell] = []
     for x in measured:
-        rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
+        rtol = tolerance(dtype, x.computes_in)
         for m in x.results:
             runs.append(
                 Run(x.info.name, m.scenario, m.term_values, m.total, m.error, m.seconds, m.compiled_graphs,
@@ -820,7 +880,9 @@ def _flow_map(state: _Probe) -> FlowMap:
         expect=expect,
         reference=ref_name,
         rtol=tolerance(dtype),
-        warnings=tuple(_stochastic_warnings(model, measured)) + _precision_warnings(dtype),
+        warnings=tuple(_stochastic_warnings(model, measured))
+        + _precision_warnings(dtype)
+        + _observed_precision_warnings(state.evidence.get("precision") or {}, ref_name, dtype),
         bisections=tuple(state.bisections),
         breaks=tuple(state.breaks),
         checks=state.checked,

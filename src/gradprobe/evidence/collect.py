@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..build import Built, TraceCache, VariantContext, build
-from ..compare import noise_pairs, tolerance, verdict
+from ..compare import loosest, noise_pairs, tolerance, verdict
 from ..measure import Measurement, per_scenario
 from ..progress import stage
 from ..rng import reseed
@@ -231,6 +231,15 @@ def bisect_failing(
     tried: list[tuple[tuple[str, bool], VariantSpec, tuple[bool, str, dict[str, Any]]]] = []
     out = []
 
+    # The precision the failing path is compared at (its knob, or what was observed of it or of the
+    # reference): a trial of that path is judged at it too, or at its own knob where that is looser.
+    failing_level = {"level": "off"}
+
+    def level_of(v: VariantSpec) -> str:
+        return loosest(
+            v.knobs.get("autocast", "off") if v.capture != "user" else "off", failing_level["level"]
+        )
+
     def judge(m: Measurement, v: VariantSpec, is_ref: bool) -> tuple[bool, str]:
         if m.error is not None:
             return False, f"{m.error.stage}: {m.error.message}"
@@ -238,8 +247,7 @@ def bisect_failing(
         if is_ref:
             # Nothing to compare with: the flow is restored when the run works and reaches something.
             return reached > 0, f"{reached} reached, no error"
-        bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, v.knobs.get("autocast", "off")),
-                       numels, dtype)  # fmt: skip
+        bad = mismatch(m, ref_results.get(m.scenario), tolerance(dtype, level_of(v)), numels, dtype)
         if not bad:
             return True, f"{reached} reached, matches the reference"
         return False, f"{reached} reached, differs from the reference" + _how(m, v)
@@ -249,7 +257,7 @@ def bisect_failing(
         ref = ref_results.get(m.scenario)
         if not names or ref is None or ref.statuses is None or m.statuses is None:
             return ""
-        rtol = tolerance(dtype, v.knobs.get("autocast", "off"))
+        rtol = tolerance(dtype, level_of(v))
         rel = m.rel_errors or [None] * len(m.statuses)
         noise = noise_pairs(ref.statuses, ref.norms or [], m.statuses, m.norms or [], numels, dtype)
         by: dict[str, list[str]] = {}
@@ -283,7 +291,8 @@ def bisect_failing(
         return True, result, seen
 
     for x in measured:
-        rtol = tolerance(dtype, x.variant.knobs.get("autocast", "off"))
+        failing_level["level"] = x.computes_in
+        rtol = tolerance(dtype, x.computes_in)
         is_ref = x.info.name == ref_name
         if is_ref:
             failing = [m.scenario for m in x.results if m.error is not None]

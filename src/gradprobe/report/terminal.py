@@ -637,8 +637,10 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
     if c:
         parts = []
         for v, r in c["variants"].items():
+            # A path compared at a lower precision's tolerance (autocast: its knob, or observed) says so.
+            at = f", at <= {r['rtol']:g}" if r.get("rtol") is not None else ""
             if r["passed"]:
-                parts.append(_assemble(f"{v}: ", PASS, f" ({r['checked_cells']} cells)"))
+                parts.append(_assemble(f"{v}: ", PASS, f" ({r['checked_cells']} cells{at})"))
             else:
                 worst = r["worst"][0] if r["worst"] else None
                 error = worst.get("rel_error") if worst else None
@@ -650,7 +652,7 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
                 )
                 failed = f"{r['failed_cells']}/{r['checked_cells']} cells" if r["checked_cells"] else "no run"
                 terms = f", {len(r['terms'])} term value(s)" if r["terms"] else ""
-                parts.append(_assemble(f"{v}: ", FAIL, f" {failed}{terms}{detail}"))
+                parts.append(_assemble(f"{v}: ", FAIL, f" {failed}{terms}{detail}{at}"))
         # The same measure as the table's '!' (relative L1 error per parameter, the run's noise floor),
         # at a tighter rtol: a cell the table marks fails here too.
         rtol = c.get("rtol")
