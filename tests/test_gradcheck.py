@@ -155,10 +155,18 @@ def test_a_cut_that_leaves_every_parameter_reached(exact: bool) -> None:
     fm = gradprobe.probe(model, step, (q, p), diagnose=True, progress=False)
     # Every parameter the derivatives can reach is reached, bug or not (the output bias is a constant).
     assert fm.count("eager", "dynamics only") == (3, 4)
+    # The check's own line in the report: its cost, on what, its resolution, each term's verdict.
+    out = gradprobe.render(fm)
+    assert "gradients vs finite differences (" in out and "s budget):" in out, out
+    assert "eager (on the model, float64, detects 0.0001 or more): dynamics " in out, out
     if exact:
         assert fm.errors() == [] and statuses(fm)[("eager", "dynamics")] == "agrees"
+        assert "dynamics agrees" in out
         return
     (f,) = fm.errors()
     assert f.cause == "gradient-mismatch" and f.location["kind"] == "autograd_grad_no_create_graph"
     assert "create_graph=self.exact" in f.location["code"]
+    assert "the gradient is off its finite differences along net." in f.message, f.message
+    gap = fm.checks["gradients"]["paths"]["eager"]["terms"]["dynamics"]["rel_error"]
+    assert f"dynamics off by {gap:.0%} along net." in out, out
     assert gradprobe.claims.audit(fm) == []

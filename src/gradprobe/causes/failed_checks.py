@@ -25,7 +25,7 @@ from .ghost_force_slice import signature as ghost_signature
 
 def detect(fm: FlowMap) -> list[Finding]:
     out: list[Finding] = []
-    for name in ("physics", "training", "balance", "shape_sweep", "metrics", "backends"):
+    for name in ("physics", "training", "balance", "shape_sweep", "metrics", "backends", "gradients"):
         result = fm.checks.get(name)
         if isinstance(result, dict) and result.get("error") and result.get("passed") is False:
             out.append(_could_not_run(name, str(result["error"]), result.get("error_where"), check=name))

@@ -664,7 +664,10 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
             )
             + _assemble("; ").join(parts)
         )
-    for name in ("physics", "balance", "training", "metrics", "backends"):  # a check that raised: its error
+    g = checks.get("gradients")
+    if g and not g.get("error"):
+        lines.extend(_gradients_lines(g))
+    for name in ("physics", "balance", "training", "metrics", "backends", "gradients"):  # a check that raised
         result = checks.get(name)
         if isinstance(result, dict) and result.get("error"):
             lines.append(f"{name}: could not run — {result['error']}")
@@ -752,6 +755,34 @@ def check_blocks(fm: FlowMap) -> list[str | Text | Indented]:
                 f"  {v}: " + ", ".join(f"{term} {verdict}" for term, verdict in verdicts.items()) + tail
             )
     return lines
+
+
+def _gradients_lines(g: dict[str, Any]) -> list[str]:
+    """The gradients check (finite differences of each term's value against autograd's directional
+    derivative): its cost, then per path on what and at which resolution, and each term's verdict. A
+    term off here is not by itself an error: the findings say which cut it is and how serious."""
+    out = [f"gradients vs finite differences ({g['seconds']:.1f} s of a {g['budget_s']:g} s budget):"]
+    for path, r in (g.get("paths") or {}).items():
+        words = []
+        for term, e in (r.get("terms") or {}).items():
+            status = e.get("status")
+            if status == "agrees":
+                words.append(f"{term} agrees")
+            elif status == "disagrees":
+                along = e.get("parameters") or []
+                words.append(
+                    f"{term} off by {e['rel_error']:.0%}" + (f" along {names(along)}" if along else "")
+                )
+            elif status == "undecided":
+                words.append(f"{term} undecided (the value is not smooth there)")
+            else:
+                words.append(f"{term} not checked ({e.get('reason', status)})")
+        note = f" — {r['note']}" if r.get("note") else ""
+        out.append(
+            f"  {path} (on {r['on']}, {r['dtype']}, detects {r['detectable']:g} or more{note}): "
+            + "; ".join(words)
+        )
+    return out
 
 
 def _metric_parts(metrics: dict[str, Any]) -> list[str]:
