@@ -493,3 +493,19 @@ def test_a_traced_path_recording_the_users_own_detach_is_the_same_cut_not_only_i
     assert len(lines) == len(set(lines)) == 3, listing(fm)
     assert all("only in" not in f.message and "every path" in f.message for f in warnings), listing(fm)
     assert not fm.errors() and audit(fm) == []
+
+
+def test_a_term_detached_whole_is_the_root_not_the_intended_detaches_beside_it() -> None:
+    """The codebook term detaches both sides: it trains nothing, and nothing else trains the codebook.
+    The straight-through and commitment detaches cut the codebook too, on purpose: they stay questions
+    (warnings) that name the root; the one error is at the term that was left with nothing."""
+    entry, fm = _claims_case("vq-codebook-term-detached")
+    (error,) = fm.errors()
+    assert error.location["line"] == entry.root_line and error.message.startswith("codebook: "), listing(fm)
+    warnings = [f for f in fm.findings if f.cause == "stop-gradient"]
+    lines = {f.location["line"] for f in warnings}
+    assert len(warnings) == len(lines) == 2 and lines <= set(entry.stop_lines), listing(fm)
+    assert all(
+        f"cut on its own at vector_quantised.py:{entry.root_line} (detach())" in f.message for f in warnings
+    )
+    assert audit(fm) == []

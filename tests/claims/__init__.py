@@ -49,6 +49,7 @@ MODULES = (
     "video",
     "actor_critic",
     "gradient_penalty",
+    "vector_quantised",
 )
 
 

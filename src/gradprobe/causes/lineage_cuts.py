@@ -129,19 +129,37 @@ def unreached_by_step(fm: FlowMap, place: Place) -> list[str]:
     return out
 
 
+def leaves_terms_dead(fm: FlowMap, place: Place) -> bool:
+    """Each term the place cuts reaches no parameter at all in its own scenario, in each of its paths
+    (a term the cut left with nothing to train)."""
+    for v in place.variants:
+        for t in place.terms:
+            scenario = _scenario_for(fm, t) if t != TOTAL else None
+            if scenario is None:
+                return False
+            try:
+                run = fm.run(v, scenario)
+            except KeyError:
+                return False
+            if run.error is None and fm.count(v, scenario)[0] > 0:
+                return False
+    return bool(place.variants and place.terms)
+
+
 def roots_for_others(fm: FlowMap, place: Place) -> list[Place]:
     """Where an explicit stop-gradient leaves parameters that no term reaches, the places that cut
-    *other* terms off the same parameters with a construct that is not an explicit stop-gradient
-    (``.item()``, ``.data``, a cast...): those are the roots, reported as errors on their own. Empty
-    unless they account for every such parameter."""
+    *other* terms off the same parameters and are errors on their own: a construct that is not an
+    explicit stop-gradient (``.item()``, ``.data``, a cast...), or one that leaves its term reaching
+    nothing at all (a loss term detached whole). Those are the roots. Empty unless they account for every
+    such parameter, and for a place that itself leaves its term with nothing (it is a root)."""
     left = set(unreached_by_step(fm, place))
-    if not left:
+    if not left or leaves_terms_dead(fm, place):
         return []
     roots = [
         o
         for o in places(fm)
         if o.key != place.key
-        and not explicit(o.site)
+        and (not explicit(o.site) or leaves_terms_dead(fm, o))
         and set(o.terms) - set(place.terms)
         and left & set(o.parameters)
     ]
