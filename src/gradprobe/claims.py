@@ -208,6 +208,18 @@ def guard(fm: FlowMap, variant: str, guard: str) -> bool:
 
 
 @_predicate
+def compile_failed(fm: FlowMap, variant: str, frame: str, file: str, line: int, fail_type: str) -> bool:
+    """Dynamo recorded a failed compile of that frame of the path (in its build or a run), of that type."""
+    d = (fm.evidence.get("dynamo") or {}).get(variant) or {}
+    windows = [d.get("build") or {}, *(d.get("runs") or {}).values()]
+    return any(
+        c.get("ok") is False and c.get("frame") == frame and _same_file(c.get("file"), file)
+        and c.get("line") == line and c.get("fail_type") == fail_type
+        for w in windows for c in w.get("compiles") or ()
+    )  # fmt: skip
+
+
+@_predicate
 def ran_eager(fm: FlowMap, variant: str, scenarios: list[str]) -> bool:
     """In those runs of that path no compiled code ran (dynamo's events, or a DynamoFallback error)."""
     runs = ((fm.evidence.get("dynamo") or {}).get(variant) or {}).get("runs") or {}

@@ -21,6 +21,7 @@ from typing import Any
 from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from .common import failed_runs, runs_of, where
+from .compile_unsupported import unsupported
 from .dynamo_disabled import disabled
 
 CAUSE = "recompile-per-scenario"
@@ -59,6 +60,8 @@ def detect(fm: FlowMap) -> list[Finding]:
     dynamo = fm.evidence.get("dynamo") or {}
     names = fm.scenario_names
     for v in fm.variants:
+        if unsupported(fm, v.name):
+            continue  # dynamo could compile nothing of it: compile-unsupported says so, with its reason
         events: dict[str, Any] = (dynamo.get(v.name) or {}).get("runs") or {}
         runs = [r for r in fm.runs if r.variant == v.name]
         recompiled = [
