@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .copies import working_model
 from .errors import GradProbeError
 from .evidence.lineage import tensors_in
+from .measure import gradients_of
 from .optim import Plan, fresh_optimizer, plan
 from .scenarios import Scenario
 from .spec import ProbeSpec
@@ -273,7 +274,7 @@ def _frozen_and_derived(
         for t in terms if frozen else ():
             if t not in values or not values[t].requires_grad:
                 continue
-            gs = torch.autograd.grad(values[t], [p for _, p in frozen], retain_graph=True, allow_unused=True)
+            gs = gradients_of(values[t], [p for _, p in frozen], retain_graph=True)
             needed = [
                 n for (n, _), g in zip(frozen, gs, strict=True) if g is not None and bool(g.abs().max() > 0)
             ]

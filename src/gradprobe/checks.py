@@ -29,7 +29,7 @@ from .compare import NOISE_FLOOR, consistency_tolerance, judge, noise_floor, noi
 from .copies import model_copy, working_model
 from .errors import SpecError
 from .geometry import Atoms, Geometry, dict_geometry
-from .measure import isolated, run_error
+from .measure import gradients_of, isolated, run_error
 from .optim import fresh_optimizer
 from .progress import stage
 from .rng import reseed
@@ -622,7 +622,7 @@ def _training(
                         target = isolated(total, values, s.terms) if mode == "terms" else total
                         if not target.requires_grad:
                             raise RuntimeError(f"the {term} loss has no gradient path")
-                        grads = torch.autograd.grad(target, params, allow_unused=True)
+                        grads = gradients_of(target, params)
                         for p, g in zip(params, grads, strict=True):
                             p.grad = g
                         del grads, total, values

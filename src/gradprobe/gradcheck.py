@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .batch import as_float64
+from .measure import gradients_of
 from .rng import reseed
 from .step import check_total, make_weights
 
@@ -97,7 +98,7 @@ class _Evaluator:
     def gradient(self, term: str) -> tuple[float, list[torch.Tensor | None]]:
         try:
             value = self._run(term)
-            grads = list(torch.autograd.grad(value, self.tensors, allow_unused=True))
+            grads = gradients_of(value, self.tensors)
             return float(value.detach()), grads
         finally:
             self._reset()

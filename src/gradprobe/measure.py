@@ -114,6 +114,62 @@ def _stacked_values(values: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     )  # fmt: skip
 
 
+# torch.utils.checkpoint's message when a graph holding a reentrant checkpoint is asked for .grad():
+# "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or passing an `inputs`
+# parameter to .backward()" (torch 2.13).
+REENTRANT = "use_reentrant=True"
+CHECKPOINT_NODE = "CheckpointFunctionBackward"  # the node a reentrant checkpoint leaves in the graph
+
+
+def gradients_of(output: torch.Tensor, params: Sequence[torch.Tensor], retain_graph: bool = False) -> Grads:
+    """``torch.autograd.grad(output, params, allow_unused=True)``. A graph holding a reentrant
+    ``torch.utils.checkpoint`` refuses that (and ``backward(inputs=...)``): then a plain ``backward()``
+    into the parameters' ``.grad``, read, and every ``.grad`` it wrote put back (the parameters', and
+    those of the other leaves of the graph: the batch's tensors that require grad). ``None`` for a
+    parameter with no path, as with ``allow_unused``."""
+    nodes = None
+    if not retain_graph:
+        # The refusal comes from inside the backward, after the nodes above the checkpoint freed what they
+        # saved: without retain_graph the fallback could not run again. Looked for first, then (one walk).
+        nodes = _nodes(output)
+    if nodes is None or not any(type(n).__name__ == CHECKPOINT_NODE for n in nodes):
+        try:
+            return list(torch.autograd.grad(output, params, retain_graph=retain_graph, allow_unused=True))
+        except RuntimeError as e:
+            if REENTRANT not in str(e):
+                raise
+    ids = {id(p) for p in params}
+    leaves = (getattr(n, "variable", None) for n in (nodes if nodes is not None else _nodes(output)))
+    others = [t for t in leaves if isinstance(t, torch.Tensor) and id(t) not in ids]
+    saved = [p.grad for p in params]
+    saved_others = [t.grad for t in others]
+    try:
+        for p in params:
+            p.grad = None
+        output.backward(retain_graph=retain_graph)
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+        for t, g in zip(others, saved_others, strict=True):
+            t.grad = g
+
+
+def _nodes(output: torch.Tensor) -> list[Any]:
+    """Every node of ``output``'s autograd graph."""
+    seen: set[int] = set()
+    out: list[Any] = []
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return out
+
+
 def per_term(
     forward: Callable[[], object],
     params: Sequence[torch.Tensor],
@@ -172,9 +228,7 @@ def per_term(
             error = no_grad_path(f"term {t!r}")
         else:
             try:
-                grads = list(
-                    torch.autograd.grad(terms[t], params, retain_graph=k < len(needed) - 1, allow_unused=True)
-                )
+                grads = gradients_of(terms[t], params, retain_graph=k < len(needed) - 1)
             except Exception as e:
                 error = run_error("backward", e)
         stacked = stacking.stack(grads) if grads is not None else None
@@ -345,7 +399,7 @@ def _run_scenario(
         m.error = no_grad_path(f"the total loss of scenario {s.name!r}")
         return
     try:
-        grads = list(torch.autograd.grad(target, params, allow_unused=True))
+        grads = gradients_of(target, params)
     except Exception as e:
         m.error = run_error("backward", e)
         return
