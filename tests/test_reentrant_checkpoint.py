@@ -79,4 +79,10 @@ def test_the_block_that_no_input_reaches_is_still_found() -> None:
     lost = {f"block.{i}.{k}" for i in (0, 2) for k in ("weight", "bias")}
     assert lost <= {p for p in fm.trainable if fm.cell("eager", "ce only", p).status == "none"}
     assert {f.cause for f in fm.errors()} == {"graph-break-in-model"}, gradprobe.render(fm)
+    (cut,) = [f for f in fm.errors() if "block.0.weight" in f.evidence["parameters"]]
+    assert (
+        cut.location["op"] == "CheckpointFunction.apply" and "checkpoint(self.block" in cut.location["code"]
+    )
+    assert cut.fix.startswith("torch.utils.checkpoint with use_reentrant=True gives no gradient"), cut.fix
+    assert "pass use_reentrant=False" in cut.fix and "(not tried)" in cut.fix
     assert audit(fm) == []

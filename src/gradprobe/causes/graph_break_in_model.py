@@ -80,7 +80,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 fix=(
                     "intended (declared in notes): nothing to do"
                     if intended
-                    else _remedy(kind, ", ".join(terms))
+                    else _remedy(kind, ", ".join(terms), str(site.get("op", "")))
                     + ", or, if the cut is intended, declare it in notes={parameter prefix: why}"
                     + (
                         f"; verified: {verified['variant']} matches {fm.reference}"
@@ -93,8 +93,16 @@ def detect(fm: FlowMap) -> list[Finding]:
     return findings
 
 
-def _remedy(kind: str, terms: str) -> str:
+def _remedy(kind: str, terms: str, op: str = "") -> str:
     """What removes a cut of this kind, in the words of the construct the lineage recorded."""
+    if kind == "non_differentiable" and op == "CheckpointFunction.apply":
+        # torch.utils.checkpoint(use_reentrant=True) returns an output without gradient when none of its
+        # tensor inputs requires grad, whatever the parameters inside need.
+        return (
+            "torch.utils.checkpoint with use_reentrant=True gives no gradient to the parameters inside when none "
+            "of its tensor inputs requires grad: pass use_reentrant=False, or give it an input that requires "
+            "grad (not tried)"
+        )
     if kind == "autograd_grad_no_create_graph":
         return (
             f"pass create_graph=True to that torch.autograd.grad call, so {terms} can be differentiated again"

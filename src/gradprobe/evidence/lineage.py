@@ -239,7 +239,7 @@ class _Recorder:
         self.sites: list[_Site] = []
         self.by_place: dict[tuple[Any, ...], _Site] = {}
         self.leaving: list[tuple[_Site, Any]] = []  # value that left torch: float, or a CPU copy
-        self.made_by_function: WeakIdKeyDictionary = WeakIdKeyDictionary()  # -> (file, line) of its apply
+        self.made_by_function: WeakIdKeyDictionary = WeakIdKeyDictionary()  # -> ((file, line), name)
         self.ops = 0
         self.node_cache: dict[int, dict[str, torch.fx.Node]] = {}
         self.mode_calls: list[dict[str, Any]] = []  # module.train(False)/eval() the step called, in order
@@ -458,11 +458,13 @@ class _Ops(TorchDispatchMode):
                 kind = self._no_grad_kind(inference)
             else:
                 place = (caller.f_code.co_filename, caller.f_lineno)
-                function = rec.site(FUNCTION, _function_name(caller), g, "its backward gives the gradient", v,
-                                    at=place, history=s)  # fmt: skip
+                fname = _function_name(caller)
+                function = rec.site(
+                    FUNCTION, fname, g, "its backward gives the gradient", v, at=place, history=s
+                )
                 s |= 1 << function.id
                 for t in tensors_in(out):
-                    rec.made_by_function[t] = place
+                    rec.made_by_function[t] = (place, fname)
         op = "torch.autograd.grad" if kind == NO_CREATE_GRAPH else _python_name(rec, func)
         written = [
             a for a, arg in zip(args, func._schema.arguments, strict=False)
@@ -593,12 +595,15 @@ _FUNCTION_FILE = os.path.join(TORCH_DIR, "autograd", "function.py")
 def _function_name(caller: Any) -> str:
     """``Softplus.apply`` for the custom Function whose forward is running (called from ``caller``)."""
     frame = sys._getframe(2)
+    found = "torch.autograd.Function.apply"
+    # The outermost ``forward`` below the caller: inner ones are modules the Function's forward runs
+    # (a checkpointed block's layers).
     while frame is not None and frame is not caller:
         qualname = frame.f_code.co_qualname
         if frame.f_code.co_name == "forward" and "." in qualname:
-            return qualname.rsplit(".", 1)[0] + ".apply"
+            found = qualname.rsplit(".", 1)[0] + ".apply"
         frame = frame.f_back
-    return "torch.autograd.Function.apply"
+    return found
 
 
 def _custom_function_caller() -> Any:
@@ -718,9 +723,9 @@ class _Calls(TorchFunctionMode):
                 v, g, s = rec.lin.get(t, _ZERO)
                 if g:
                     name = op.removeprefix("torch.") if op.startswith("torch.Tensor.") else op
-                    made = rec.made_by_function.get(t)
+                    made, fname = rec.made_by_function.get(t, (None, None))
                     if made is not None:  # name the custom Function's call, not where its output is used
-                        name, what = "torch.autograd.Function.apply", "a custom autograd.Function output"
+                        name, what = fname, f"the output of {fname} (a custom autograd.Function)"
                     site = rec.site(NON_DIFF, name, g, f"{what} does not require grad", v, at=made, history=s)
                     rec.lin[t] = (v, 0, s | (1 << site.id))
 
