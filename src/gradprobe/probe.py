@@ -167,16 +167,10 @@ class _Probe:
     evidence: dict[str, Any] = field(default_factory=dict)
     bisections: list[dict[str, Any]] = field(default_factory=list)
     breaks: list[dict[str, Any]] = field(default_factory=list)
-    ref_level: str = "off"  # the precision the reference was seen to compute in (compare.LEVELS)
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.trainable]
         self.dtype = precision(self.params[0])
-
-    @property
-    def compared(self) -> bool:
-        """Other paths are compared with the reference."""
-        return len(self.variants) > 1
 
 
 def _run_probe(
@@ -193,6 +187,7 @@ def _run_probe(
     ):
         state.batch = with_differentiable_inputs(spec.batch, spec.differentiable_inputs)
         _measure_variants(state)
+        _observe_precisions(state)
         _second_batch(state)
         _run_checks(state)
         _gather_evidence(state)
@@ -378,18 +373,39 @@ def _measure(state: _Probe, variant: VariantSpec, keep: bool, alone: bool) -> _M
         _graph_breaks() - breaks_before if variant.compiled else None,
         graph=_lint(built, len(params)),
     )
-    observed = (
-        _observed_precision(state, variant, built)
-        if state.compared and (is_ref or variant.capture == "user")
-        else None
-    )
-    if observed is not None:
-        state.evidence.setdefault("precision", {})[variant.name] = observed
-    own = observed["level"] if observed is not None else "off"
-    if is_ref:
-        state.ref_level = own
     knob = variant.knobs.get("autocast", "off") if variant.capture != "user" else "off"
-    return _Measured(variant, info, results, loosest(knob, own, "off" if is_ref else state.ref_level))
+    return _Measured(variant, info, results, knob)
+
+
+def _observe_precisions(state: _Probe) -> None:
+    """Where a path's gradients differ from the reference's beyond the tolerance of its knob, the
+    precision the reference and the user's own path compute in, observed (``evidence.precision``): a
+    path in bfloat16 (autocast in a trainer or in the step) is then compared at bfloat16's tolerance.
+    Nothing runs where every comparison already passes: observing can only loosen a tolerance."""
+    ref = next((x for x in state.measured if x.info.name == state.reference), None)
+    seen: dict[str, dict[str, Any] | None] = {}
+
+    def observed(x: _Measured) -> str:
+        if x.info.name not in seen:
+            # Outside the path's dynamo window (no event of this run is the path's), settings isolated.
+            with _isolated(x.variant, alone=False):
+                seen[x.info.name] = _observed_precision(state, x.variant, state.builds.get(x.info.name))
+        got = seen[x.info.name]
+        return got["level"] if got is not None else "off"
+
+    for x in state.measured:
+        if x is ref or ref is None or not _beyond(x, tolerance(state.dtype, x.computes_in)):
+            continue
+        own = observed(x) if x.variant.capture == "user" else "off"
+        x.computes_in = loosest(x.computes_in, own, observed(ref))
+    found = {k: v for k, v in seen.items() if v}
+    if found:
+        state.evidence["precision"] = found
+
+
+def _beyond(x: _Measured, rtol: float) -> bool:
+    """Some gradient of the path differs from the reference's by more than ``rtol`` (relative L1)."""
+    return any(e is not None and e > rtol for m in x.results for e in m.rel_errors or ())
 
 
 def _observed_precision(state: _Probe, variant: VariantSpec, built: Built | None) -> dict[str, Any] | None:
