@@ -267,6 +267,11 @@ def _prepare(
     )
 
 
+# The environment fact recorded when a probe that may compile turned torch.distributions' argument
+# validation off for its paths (``_measure_variants``).
+VALIDATION_OFF = "distribution_validation_off"
+
+
 def _measure_variants(state: _Probe) -> None:
     """Every variant measured in turn, the reference first; each variant built once."""
     # The reference's gradients are kept (one copy per scenario) only when something reads them:
@@ -291,9 +296,6 @@ def _measure_variants(state: _Probe) -> None:
         state.measured.append(
             _measure(state, variant, keep=variant.name == state.reference and keep_ref, alone=alone)
         )
-
-
-VALIDATION_OFF = "distribution_validation_off"
 
 
 def _measure(state: _Probe, variant: VariantSpec, keep: bool, alone: bool) -> _Measured:
