@@ -509,3 +509,40 @@ def test_a_term_detached_whole_is_the_root_not_the_intended_detaches_beside_it()
         f"cut on its own at vector_quantised.py:{entry.root_line} (detach())" in f.message for f in warnings
     )
     assert audit(fm) == []
+
+
+def test_every_route_cut_by_an_intended_looking_detach_is_one_finding() -> None:
+    """A VQ-VAE whose codebook term detaches the wrong side: each of three explicit detaches cuts the
+    codebook from its term, none is a root the others could be told apart from, and nothing trains the
+    codebook. One error lists the routes; not three errors, one per detach."""
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(6, 2)
+            self.codes = nn.Parameter(torch.randn(5, 2))
+            self.dec = nn.Linear(2, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            z = self.enc(x)
+            e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
+            return z, e, self.dec(z + (e - z).detach())
+
+    def swapped(m: Quantised, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        z, e, out = m(x)
+        codebook = (e.detach() - z).pow(2).mean()  # the bug: the detach belongs on z
+        commit = (z - e.detach()).pow(2).mean()
+        return {"recon": (out - x).pow(2).mean(), "codebook": codebook, "commit": commit}
+
+    torch.manual_seed(2)
+    fm = gradprobe.probe(
+        Quantised().double(), swapped, torch.randn(10, 6).double(), diagnose=True, progress=False
+    )
+    (error,) = fm.errors()
+    assert error.cause == "graph-break-in-model" and error.message.startswith("codes: trained by no term"), (
+        listing(fm)
+    )
+    for term in ("recon", "codebook", "commit"):
+        assert f"{term} at {HERE}:" in error.message, error.message
+    assert not [f for f in fm.findings if f.cause == "stop-gradient"]
+    assert audit(fm) == []

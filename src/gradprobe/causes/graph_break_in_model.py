@@ -10,6 +10,9 @@ trace). Parameters a note declares as intended (``notes``) turn the error into i
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from ..claims import claim
 from ..flowmap import Finding, FlowMap
 from ..wording import names
@@ -18,7 +21,10 @@ from .lineage_cuts import SPELLING as _SPELLING
 from .lineage_cuts import (
     chain_words,
     classify,
+    explicit,
     fd_words,
+    in_reference,
+    leaves_terms_dead,
     lost_words,
     place_claims,
     place_evidence,
@@ -26,6 +32,7 @@ from .lineage_cuts import (
     places,
     status_words,
     term_names,
+    unreached_by_step,
     where_seen,
 )
 
@@ -33,9 +40,12 @@ CAUSE = "graph-break-in-model"
 
 
 def detect(fm: FlowMap) -> list[Finding]:
-    findings = []
-    for place in places(fm):
-        if classify(fm, place) != CAUSE:
+    chosen = [p for p in places(fm) if classify(fm, p) == CAUSE]
+    groups = _every_route_cut(fm, chosen)
+    grouped = {id(p) for g in groups for p in g}
+    findings = [_every_route_finding(fm, g) for g in groups]
+    for place in chosen:
+        if id(place) in grouped:
             continue
         site = place.site
         kind = str(site.get("kind"))
@@ -91,6 +101,64 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         )
     return findings
+
+
+def _every_route_cut(fm: FlowMap, chosen: list[Any]) -> list[list[Any]]:
+    """Explicit stop-gradients of the step, on different terms, that together leave the same parameters
+    trained by no term, none of them a root the others could be told apart from (a VQ-VAE's codebook
+    term with its detach on the wrong side, beside the straight-through and commitment detaches): one
+    problem, one finding."""
+    by: dict[frozenset[str], list[Any]] = {}
+    for p in chosen:
+        if (
+            not (explicit(p.site) and in_reference(fm, p.site))
+            or place_notes(fm, p)
+            or leaves_terms_dead(fm, p)
+        ):
+            continue
+        left = frozenset(unreached_by_step(fm, p))
+        if left:
+            by.setdefault(left, []).append(p)
+    return [g for g in by.values() if len(g) > 1 and len({tuple(p.terms) for p in g}) == len(g)]
+
+
+def _every_route_finding(fm: FlowMap, group: list[Any]) -> Finding:
+    group = sorted(group, key=lambda p: (str(p.site.get("file")), p.site.get("line") or 0))
+    lost = [p for p in group[0].parameters if p in set(unreached_by_step(fm, group[0]))]
+    widest = max(fm.scenarios, key=lambda s: len(s.terms))
+    routes = "; ".join(
+        f"{', '.join(term_names(p))} at {os.path.basename(str(p.site.get('file')))}:{p.site.get('line')} "
+        f"({_SPELLING.get(str(p.site.get('kind')), p.site.get('kind'))})"
+        for p in group
+    )
+    first = group[0]
+    return Finding(
+        CAUSE,
+        "error",
+        f"{names(lost)}: trained by no term — the value of each term below depends on them, and each route is cut "
+        f"by an explicit stop-gradient: {routes}; the first is at {where(first.site)}",
+        evidence={
+            "parameters": lost,
+            "places": [place_evidence(fm, p) for p in group],
+            "runs": [r for p in group for r in place_evidence(fm, p)["runs"]],
+        },
+        location={**first.site, "variants": first.variants},
+        claims=(
+            *(c for p in group for c in place_claims(fm, p)),
+            claim(
+                "statuses",
+                f"in {fm.reference}, {widest.name}: no gradient or exact zero for {names(lost)}",
+                variant=fm.reference,
+                scenario=widest.name,
+                parameters=lost,
+                status=["none", "zero"],
+            ),
+        ),
+        fix=(
+            f"remove the stop-gradient on the route meant to train {names(lost)} (the others may be intended), or, "
+            "if nothing is meant to train them, freeze them or declare them in notes={parameter prefix: why}"
+        ),
+    )
 
 
 def _remedy(kind: str, terms: str, op: str = "") -> str:
