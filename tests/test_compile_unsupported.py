@@ -77,11 +77,23 @@ def test_a_user_trainer_that_dynamo_cannot_compile_is_said_to_run_eager() -> Non
     assert audit(fm) == []
 
 
+def eager_trainer(ctx):  # type: ignore[no-untyped-def]
+    """The user's own path that compiles nothing."""
+
+    def run(batch, weights):  # type: ignore[no-untyped-def]
+        t = ctx.step(ctx.model, batch)
+        return sum(weights[k] * t[k] for k in t), t
+
+    return run
+
+
 def test_a_later_compile_of_the_same_frame_names_the_record_of_the_first() -> None:
+    """Only the path that compiles for sure borrows the record: not make_fx, not a user's eager path."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    fm = gradprobe.probe(Scorer(), terms, sentences(), variants="eager,compile:aot_eager,compile_model:aot_eager",
-                         progress=False)  # fmt: skip
+    variants = ["eager", "make_fx", "compile:aot_eager", "compile_model:aot_eager",
+                user_variant("plain_trainer", eager_trainer)]  # fmt: skip
+    fm = gradprobe.probe(Scorer(), terms, sentences(), terms=["tag", "lm"], variants=variants, progress=False)
     (f,) = [f for f in fm.findings if f.cause == "compile-unsupported"]
     assert f.severity == "error" and f.message.startswith(
         "compile_model:aot_eager: dynamo could not compile forward"

@@ -40,7 +40,10 @@ def unsupported(fm: FlowMap, variant: str) -> list[dict[str, Any]]:
     if any(w.get("ran_compiled") for w in windows) or not any(w is not None for w in windows[1:]):
         return []
     own = [c for w in windows for c in w.get("compiles") or () if c.get("ok") is False]
-    if own or any(w.get("compiles") for w in windows):
+    info = fm.variant(variant)
+    # Another path's record stands for this one only where this path compiles for sure (one of
+    # gradprobe's compiled variants): a user's path or an uncompiled one may not compile at all.
+    if own or any(w.get("compiles") for w in windows) or info.capture == "user" or info.backend is None:
         return own
     return [
         {**c, "recorded_in": other.name}
