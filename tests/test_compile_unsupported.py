@@ -105,9 +105,21 @@ def test_a_later_compile_of_the_same_frame_names_the_record_of_the_first() -> No
     assert audit(fm) == []
 
 
+class TwoLayer(nn.Module):
+    """Its own forward: dynamo caches compiled code per code object, and a compile of ``nn.Sequential``'s
+    here would be what a later test's compile of another ``nn.Sequential`` finds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(3, 5), nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(x)))
+
+
 def test_a_path_that_ran_compiled_code_is_not_this() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    model = TwoLayer()
     fm = gradprobe.probe(model, lambda m, x: {"fit": m(x).square().mean(), "l2": next(m.parameters()).square().sum()},
                          torch.randn(4, 3), variants="eager,compile_model:aot_eager", progress=False)  # fmt: skip
     assert not [f for f in fm.findings if f.cause == "compile-unsupported"] and not fm.errors()
