@@ -300,22 +300,29 @@ def test_a_ghost_slice_in_the_compiled_fold_is_named_on_the_compiled_path(
     assert _errors_of(fm) == {"ghost-force-slice"}, render(fm)
 
 
+def _edit_fold(monkeypatch: pytest.MonkeyPatch, module_name: str, edit) -> None:  # type: ignore[no-untyped-def]
+    """A fault injected into a DeePMD backend's ``communicate_extended_output`` (the fold of extended
+    atoms' outputs onto local ones): ``edit(out, model_ret)`` changes its output in place."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    fold = module.communicate_extended_output
+
+    def edited(model_ret, model_output_def, mapping, do_atomic_virial=False):  # type: ignore[no-untyped-def]
+        out = fold(model_ret, model_output_def, mapping, do_atomic_virial)
+        edit(out, model_ret)
+        return out
+
+    monkeypatch.setattr(module, "communicate_extended_output", edited)
+
+
 def test_a_ghost_slice_in_the_eager_fold_is_named_on_the_reference(
     adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
-
-    import deepmd.dpmodel.model.make_model  # noqa: F401
-
-    module = sys.modules["deepmd.dpmodel.model.make_model"]
-    fold = module.communicate_extended_output
-
-    def sliced(model_ret, model_output_def, mapping, do_atomic_virial=False):  # type: ignore[no-untyped-def]
-        out = fold(model_ret, model_output_def, mapping, do_atomic_virial)
+    def sliced(out, model_ret):  # type: ignore[no-untyped-def]
         out["energy_derv_r"] = model_ret["energy_derv_r"][:, : model_ret["energy"].shape[1]]  # the bug
-        return out
 
-    monkeypatch.setattr(module, "communicate_extended_output", sliced)
+    _edit_fold(monkeypatch, "deepmd.dpmodel.model.make_model", sliced)
     fm = adapter.probe(backend="aot_eager", checks=["physics"])
     (f,) = [f for f in fm.findings if f.cause == "ghost-force-slice"]
     assert f.location["variant"] == "deepmd:uncompiled", f.message
@@ -475,19 +482,10 @@ def test_a_float32_model_is_compared_at_float32_tolerances(tmp_path) -> None:  #
 def test_a_fault_in_pts_force_fold_is_named_backends_differ(
     adapter: DeepmdAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
-
-    import deepmd.pt.model.model.make_model  # noqa: F401
-
-    module = sys.modules["deepmd.pt.model.model.make_model"]
-    fold = module.communicate_extended_output
-
-    def scaled(model_ret, model_output_def, mapping, do_atomic_virial=False):  # type: ignore[no-untyped-def]
-        out = fold(model_ret, model_output_def, mapping, do_atomic_virial)
+    def scaled(out, model_ret):  # type: ignore[no-untyped-def]
         out["energy_derv_r"] = out["energy_derv_r"] * 0.98  # the fault: pt's forces 2% short
-        return out
 
-    monkeypatch.setattr(module, "communicate_extended_output", scaled)
+    _edit_fold(monkeypatch, "deepmd.pt.model.model.make_model", scaled)
     fm = adapter.probe(configurations=["uncompiled"], checks=["backends", "physics"])
     result = fm.checks["backends"]
     assert not result["passed"]

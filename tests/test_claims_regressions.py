@@ -434,26 +434,31 @@ def test_a_penalty_without_create_graph_is_told_to_take_it() -> None:
     assert audit(fm) == []
 
 
+class StraightThroughVQ(nn.Module):
+    """An encoder, a codebook picked by nearest neighbour, and a decoder fed through the straight-through
+    estimator ``z + (e - z).detach()``; returns (z, e, decoded)."""
+
+    def __init__(self, features: int, width: int, codes: int) -> None:
+        super().__init__()
+        self.enc = nn.Linear(features, width)
+        self.codes = nn.Parameter(torch.randn(codes, width))
+        self.dec = nn.Linear(width, features)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        z = self.enc(x)
+        e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
+        return z, e, self.dec(z + (e - z).detach())  # straight-through
+
+
 def test_parameters_reached_with_wrong_values_are_not_counted_as_unreached() -> None:
     """A straight-through estimator's detach is the route to the codebook; when no other term trains
     the codebook, the encoder is still reached by the term, only with a gradient off its finite
     differences: the message says which parameters are which."""
 
-    class Quantiser(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.enc = nn.Linear(6, 3)
-            self.codes = nn.Parameter(torch.randn(7, 3))
-            self.dec = nn.Linear(3, 6)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            z = self.enc(x)
-            e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
-            return self.dec(z + (e - z).detach())
-
     torch.manual_seed(3)
     fm = gradprobe.probe(
-        Quantiser().double(), lambda m, x: {"recon": (m(x) - x).pow(2).mean()}, torch.randn(10, 6).double(),
+        StraightThroughVQ(6, 3, 7).double(), lambda m, x: {"recon": (m(x)[2] - x).pow(2).mean()},
+        torch.randn(10, 6).double(),
         diagnose=True, progress=False,
     )  # fmt: skip
     (error,) = fm.errors()
@@ -467,25 +472,13 @@ def test_a_traced_path_recording_the_users_own_detach_is_the_same_cut_not_only_i
     """make_fx records the step's own straight-through ``detach()`` as a graph node at the same line:
     one warning for the line, seen in every path, never a second one saying "only in make_fx"."""
 
-    class Codebook(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.enc = nn.Linear(5, 2)
-            self.codes = nn.Parameter(torch.randn(6, 2))
-            self.dec = nn.Linear(2, 5)
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            z = self.enc(x)
-            e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
-            return z, e, self.dec(z + (e - z).detach())  # straight-through
-
-    def vq_losses(m: Codebook, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def vq_losses(m: StraightThroughVQ, x: torch.Tensor) -> dict[str, torch.Tensor]:
         z, e, out = m(x)
         return {"recon": (out - x).pow(2).mean(), "codebook": (e - z.detach()).pow(2).mean(),
                 "commit": (z - e.detach()).pow(2).mean()}  # fmt: skip
 
     torch.manual_seed(4)
-    fm = gradprobe.probe(Codebook(), vq_losses, torch.randn(9, 5), variants="eager,make_fx", diagnose=True,
+    fm = gradprobe.probe(StraightThroughVQ(5, 2, 6), vq_losses, torch.randn(9, 5), variants="eager,make_fx", diagnose=True,
                          checks=["gradients"],
                          progress=False)  # fmt: skip
     warnings = [f for f in fm.findings if f.cause == "stop-gradient"]
@@ -516,19 +509,7 @@ def test_every_route_cut_by_an_intended_looking_detach_is_one_finding() -> None:
     codebook from its term, none is a root the others could be told apart from, and nothing trains the
     codebook. One error lists the routes; not three errors, one per detach."""
 
-    class Quantised(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.enc = nn.Linear(6, 2)
-            self.codes = nn.Parameter(torch.randn(5, 2))
-            self.dec = nn.Linear(2, 6)
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            z = self.enc(x)
-            e = self.codes[torch.cdist(z, self.codes).argmin(-1)]
-            return z, e, self.dec(z + (e - z).detach())
-
-    def swapped(m: Quantised, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def swapped(m: StraightThroughVQ, x: torch.Tensor) -> dict[str, torch.Tensor]:
         z, e, out = m(x)
         codebook = (e.detach() - z).pow(2).mean()  # the bug: the detach belongs on z
         commit = (z - e.detach()).pow(2).mean()
@@ -536,7 +517,11 @@ def test_every_route_cut_by_an_intended_looking_detach_is_one_finding() -> None:
 
     torch.manual_seed(2)
     fm = gradprobe.probe(
-        Quantised().double(), swapped, torch.randn(10, 6).double(), diagnose=True, progress=False
+        StraightThroughVQ(6, 2, 5).double(),
+        swapped,
+        torch.randn(10, 6).double(),
+        diagnose=True,
+        progress=False,
     )
     (error,) = fm.errors()
     assert error.cause == "graph-break-in-model" and error.message.startswith("codes: trained by no term"), (

@@ -512,6 +512,18 @@ def test_numpy_rng_with_a_cached_gaussian_is_put_back_exactly():
         assert after[0] == before[0] and (after[1] == before[1]).all() and after[2:] == before[2:]
 
 
+def _bits_and_versions(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Each parameter's bits (as int32) and its version counter."""
+    named = list(model.named_parameters())
+    return {n: p.detach().clone().view(torch.int32) for n, p in named}, {n: p._version for n, p in named}
+
+
+def _assert_bit_for_bit(model: nn.Module, bits: dict[str, torch.Tensor], versions: dict[str, int]) -> None:
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int32), bits[n]), f"{n}: not bit for bit as before"
+        assert p._version == versions[n], n
+
+
 @pytest.mark.parametrize("edit", ["negative_zero", "nan_payload", "one_element", "none"])
 def test_tensors_are_put_back_bit_for_bit(edit):
     """A change torch.equal would miss (0.0 to -0.0, another NaN payload) is undone, and values the
@@ -522,8 +534,7 @@ def test_tensors_are_put_back_bit_for_bit(edit):
         model[0].bias[0] = 0.0
         if edit == "nan_payload":  # only here: a NaN makes a value comparison see a change anyway
             model[2].bias[1] = float("nan")
-    bits = {n: p.detach().clone().view(torch.int32) for n, p in model.named_parameters()}
-    versions = {n: p._version for n, p in model.named_parameters()}
+    bits, versions = _bits_and_versions(model)
 
     def step(m, x):
         if edit == "negative_zero":
@@ -536,9 +547,7 @@ def test_tensors_are_put_back_bit_for_bit(edit):
         return {"a": y[:, 0].sum(), "b": y[:, 1].sum()}
 
     gradprobe.probe(model, step, torch.randn(5, 3), progress=False)
-    for n, p in model.named_parameters():
-        assert torch.equal(p.detach().view(torch.int32), bits[n]), f"{n}: not bit for bit as before"
-        assert p._version == versions[n], n
+    _assert_bit_for_bit(model, bits, versions)
 
 
 @pytest.mark.parametrize("edit", ["large", "small", "both", "none"])
@@ -549,8 +558,7 @@ def test_large_tensors_compared_alone_are_put_back_bit_for_bit(edit):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 256), nn.Tanh(), nn.Linear(256, 300), nn.Tanh(), nn.Linear(300, 2))
     assert model[0].weight.numel() >= 1 << 16 and model[2].weight.numel() >= 1 << 16
-    bits = {n: p.detach().clone().view(torch.int32) for n, p in model.named_parameters()}
-    versions = {n: p._version for n, p in model.named_parameters()}
+    bits, versions = _bits_and_versions(model)
 
     def step(m, x):
         if edit in ("large", "both"):
@@ -561,9 +569,7 @@ def test_large_tensors_compared_alone_are_put_back_bit_for_bit(edit):
         return {"a": y[:, 0].sum(), "b": y[:, 1].sum()}
 
     gradprobe.probe(model, step, torch.randn(4, 300), progress=False)
-    for n, p in model.named_parameters():
-        assert torch.equal(p.detach().view(torch.int32), bits[n]), f"{n}: not bit for bit as before"
-        assert p._version == versions[n], n
+    _assert_bit_for_bit(model, bits, versions)
 
 
 def test_cublas_reduced_precision_settings_are_put_back_with_their_split_k_flag():

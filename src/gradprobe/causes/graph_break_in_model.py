@@ -10,7 +10,6 @@ trace). Parameters a note declares as intended (``notes``) turn the error into i
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ..claims import claim
@@ -30,6 +29,7 @@ from .lineage_cuts import (
     place_evidence,
     place_notes,
     places,
+    short_site,
     status_words,
     term_names,
     unreached_by_step,
@@ -126,11 +126,7 @@ def _every_route_finding(fm: FlowMap, group: list[Any]) -> Finding:
     group = sorted(group, key=lambda p: (str(p.site.get("file")), p.site.get("line") or 0))
     lost = [p for p in group[0].parameters if p in set(unreached_by_step(fm, group[0]))]
     widest = max(fm.scenarios, key=lambda s: len(s.terms))
-    routes = "; ".join(
-        f"{', '.join(term_names(p))} at {os.path.basename(str(p.site.get('file')))}:{p.site.get('line')} "
-        f"({_SPELLING.get(str(p.site.get('kind')), p.site.get('kind'))})"
-        for p in group
-    )
+    routes = "; ".join(f"{', '.join(term_names(p))} at {short_site(p.site)}" for p in group)
     first = group[0]
     return Finding(
         CAUSE,

@@ -106,18 +106,6 @@ def in_reference(fm: FlowMap, site: Mapping[str, Any]) -> bool:
     )
 
 
-def reached_elsewhere(fm: FlowMap, place: Place) -> bool:
-    """Every parameter the place cuts still gets a gradient from the step in those paths: from another
-    term, or the same term through the tensor that was not detached."""
-    for v in place.variants:
-        reached = set()
-        for s in fm.scenario_names:
-            reached |= fm.reached(v, s)
-        if not all(p in reached for p in place.parameters):
-            return False
-    return True
-
-
 def unreached_by_step(fm: FlowMap, place: Place) -> list[str]:
     """The place's parameters that no scenario of some of its paths reaches."""
     out: list[str] = []
@@ -127,6 +115,18 @@ def unreached_by_step(fm: FlowMap, place: Place) -> list[str]:
             reached |= fm.reached(v, s)
         out.extend(p for p in place.parameters if p not in reached and p not in out)
     return out
+
+
+def reached_elsewhere(fm: FlowMap, place: Place) -> bool:
+    """Every parameter the place cuts still gets a gradient from the step in those paths: from another
+    term, or the same term through the tensor that was not detached."""
+    return not unreached_by_step(fm, place)
+
+
+def short_site(site: Mapping[str, Any]) -> str:
+    """'cases.py:33 (.item())': a cut named beside another finding (its own finding shows the code)."""
+    kind = str(site.get("kind"))
+    return f"{os.path.basename(str(site.get('file')))}:{site.get('line')} ({SPELLING.get(kind, kind)})"
 
 
 def leaves_terms_dead(fm: FlowMap, place: Place) -> bool:

@@ -27,6 +27,7 @@ from .lineage_cuts import (
     reached_claims,
     reached_elsewhere,
     roots_for_others,
+    short_site,
     term_names,
     unreached_by_step,
     where_seen,
@@ -58,7 +59,7 @@ def detect(fm: FlowMap) -> list[Finding]:
                 else f"the step would train {names(unreached_by_step(fm, place))} through "
                 + ", ".join(sorted({t for o in roots for t in term_names(o)}))
                 + ", but that is cut on its own at "
-                + ", ".join(_short(o.site) for o in roots)
+                + ", ".join(short_site(o.site) for o in roots)
                 + " (an error, reported there)"
             )
             + (f"; {fd}" if fd else "")
@@ -86,11 +87,3 @@ def detect(fm: FlowMap) -> list[Finding]:
             )
         )
     return findings
-
-
-def _short(site: dict) -> str:  # type: ignore[type-arg]
-    """'cases.py:33 (.item())': a root named beside this finding (its own finding shows the code)."""
-    import os
-
-    kind = str(site.get("kind"))
-    return f"{os.path.basename(str(site.get('file')))}:{site.get('line')} ({SPELLING.get(kind, kind)})"
